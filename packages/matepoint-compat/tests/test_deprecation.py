@@ -1,0 +1,74 @@
+"""Tests for matepoint_compat._deprecation."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+
+from matepoint_compat._deprecation import (
+    DEFAULT_REMOVAL,
+    DEFAULT_SINCE,
+    MatepointDeprecationWarning,
+    warn_deprecated,
+)
+
+
+def _deprecated_api() -> None:
+    warn_deprecated("`old_api`", replacement="use `new_api` instead")
+
+
+def test_warning_is_a_deprecation_warning_with_versions() -> None:
+    w = MatepointDeprecationWarning("`a` is deprecated", since="0.2.0", removal="0.4.0")
+    assert isinstance(w, DeprecationWarning)
+    assert (w.message, w.since, w.removal) == ("`a` is deprecated", "0.2.0", "0.4.0")
+    assert str(w) == "`a` is deprecated (deprecated in matepoint 0.2.0, to be removed in 0.4.0)"
+
+
+def test_warning_defaults() -> None:
+    w = MatepointDeprecationWarning("m")
+    assert (w.since, w.removal) == (DEFAULT_SINCE, DEFAULT_REMOVAL) == ("0.2.0", "0.4.0")
+
+
+def test_warn_deprecated_names_the_replacement() -> None:
+    with pytest.warns(MatepointDeprecationWarning, match="use `new_api` instead") as record:
+        _deprecated_api()
+    assert len(record) == 1
+    warning = record[0].message
+    assert isinstance(warning, MatepointDeprecationWarning)
+    assert warning.message == "`old_api` is deprecated; use `new_api` instead"
+    assert (warning.since, warning.removal) == ("0.2.0", "0.4.0")
+
+
+def test_warn_deprecated_carries_custom_versions() -> None:
+    with pytest.warns(MatepointDeprecationWarning, match="0.1.8.*0.3.0") as record:
+        warn_deprecated("`x`", replacement="use `y`", since="0.1.8", removal="0.3.0")
+    warning = record[0].message
+    assert isinstance(warning, MatepointDeprecationWarning)
+    assert (warning.since, warning.removal) == ("0.1.8", "0.3.0")
+
+
+def test_warning_points_at_the_callers_line() -> None:
+    with pytest.warns(MatepointDeprecationWarning) as record:
+        _deprecated_api()
+        line = sys._getframe().f_lineno - 1
+    assert record[0].filename == __file__
+    assert record[0].lineno == line
+
+
+def test_stacklevel_one_points_at_the_deprecated_function() -> None:
+    def deprecated_here() -> int:
+        warn_deprecated("`x`", replacement="use `y`", stacklevel=1)
+        return deprecated_here.__code__.co_firstlineno + 1
+
+    with pytest.warns(MatepointDeprecationWarning) as record:
+        line = deprecated_here()
+    assert record[0].lineno == line
+
+
+def test_can_be_turned_into_an_error() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MatepointDeprecationWarning)
+        with pytest.raises(MatepointDeprecationWarning, match="old_api"):
+            _deprecated_api()
