@@ -1,0 +1,80 @@
+"""Per-torch-version shims for matepoint, and the legacy surface of matepoint 0.1.x.
+
+Everything that differs between torch releases lives here, behind the named gates of
+``matepoint_compat._version``. This package never imports ``matepoint`` (the core).
+"""
+
+from matepoint_compat._accelerator import (
+    allocate_pinned,
+    current_stream,
+    delay_stream,
+    device_module,
+    new_event,
+    new_stream,
+    storage_use_count,
+    stream_context,
+)
+from matepoint_compat._checkpoint import (
+    CHECKPOINT_SAVES_DUMMY_INPUT,
+    TORCH_CHECKPOINT_KEYWORDS,
+    adapt_checkpoint_kwargs,
+)
+from matepoint_compat._deprecation import MatepointDeprecationWarning, warn_deprecated
+from matepoint_compat._hooks import saved_tensors_hooks_active, saved_tensors_hooks_enabled
+from matepoint_compat._legacy import (
+    LEGACY_CHECKPOINT_KWARGS,
+    LegacyModule,
+    PipelineCallback,
+    install_legacy_module,
+    legacy_matepoint_pipeline,
+    legacy_pipeline_disabled,
+    pop_legacy_checkpoint_kwargs,
+    register_pipeline_callback,
+)
+from matepoint_compat._version import (
+    TORCH_2_5_PLUS,
+    TORCH_2_6_PLUS,
+    TORCH_2_9_PLUS,
+    TORCH_2_12_PLUS,
+    TORCH_2_13_PLUS,
+    TORCH_2_14_PLUS,
+    TORCH_VERSION,
+    parse_base_version,
+)
+
+__version__ = "0.2.0"
+
+__all__ = [
+    "CHECKPOINT_SAVES_DUMMY_INPUT",
+    "LEGACY_CHECKPOINT_KWARGS",
+    "LegacyModule",
+    "MatepointDeprecationWarning",
+    "PipelineCallback",
+    "TORCH_2_5_PLUS",
+    "TORCH_2_6_PLUS",
+    "TORCH_2_9_PLUS",
+    "TORCH_2_12_PLUS",
+    "TORCH_2_13_PLUS",
+    "TORCH_2_14_PLUS",
+    "TORCH_CHECKPOINT_KEYWORDS",
+    "TORCH_VERSION",
+    "__version__",
+    "adapt_checkpoint_kwargs",
+    "allocate_pinned",
+    "current_stream",
+    "delay_stream",
+    "device_module",
+    "install_legacy_module",
+    "legacy_matepoint_pipeline",
+    "legacy_pipeline_disabled",
+    "new_event",
+    "new_stream",
+    "parse_base_version",
+    "pop_legacy_checkpoint_kwargs",
+    "register_pipeline_callback",
+    "saved_tensors_hooks_active",
+    "saved_tensors_hooks_enabled",
+    "storage_use_count",
+    "stream_context",
+    "warn_deprecated",
+]

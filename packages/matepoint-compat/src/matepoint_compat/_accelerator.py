@@ -1,0 +1,129 @@
+"""Stream, event and pinned-memory calls, spelled the way the installed torch spells them.
+
+matepoint's CUDA transport talks to the device only through these functions, so the transport
+itself stays version-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+import torch
+
+from matepoint_compat._version import TORCH_2_13_PLUS
+
+__all__ = [
+    "allocate_pinned",
+    "current_stream",
+    "delay_stream",
+    "device_module",
+    "new_event",
+    "new_stream",
+    "storage_use_count",
+    "stream_context",
+]
+
+
+def device_module(device: torch.device) -> Any:
+    """Return the torch module of a device type (``torch.cuda`` for ``cuda``).
+
+    ``torch.get_device_module`` exists on every supported release (2.3+); ``torch.accelerator``
+    (2.6+) does not cover events and stream contexts for all backends, so the per-type module is
+    the one spelling that works from 2.4 to the newest.
+
+    Args:
+        device: A device of an accelerator type.
+
+    Returns:
+        The module (``torch.cuda``, ``torch.xpu``, ...).
+    """
+    return torch.get_device_module(device.type)
+
+
+def current_stream(device: torch.device) -> Any:
+    """Return the stream the caller's compute on ``device`` is queued on."""
+    return device_module(device).current_stream(device)
+
+
+def new_stream(device: torch.device) -> Any:
+    """Create a stream on ``device`` (matepoint's side stream for copies)."""
+    return device_module(device).Stream(device=device)
+
+
+def new_event(device: torch.device, *, enable_timing: bool = False) -> Any:
+    """Create an event usable on ``device``'s streams."""
+    return device_module(device).Event(enable_timing=enable_timing)
+
+
+def stream_context(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """Return a context manager that makes ``stream`` current for its device."""
+    return device_module(stream.device).stream(stream)  # type: ignore[no-any-return]
+
+
+def delay_stream(stream: Any, cycles: int) -> None:
+    """Queue a busy-wait of ``cycles`` GPU clock cycles on ``stream`` (a debug knob for race probes).
+
+    Uses ``torch.cuda._sleep``, which torch has kept private on every release; without it the
+    delay is skipped (the probe then tests less, it never breaks a run).
+    """
+    if cycles <= 0 or stream.device.type != "cuda":
+        return
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        return
+    with torch.cuda.stream(stream):
+        sleep(int(cycles))
+
+
+def _unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def allocate_pinned(nbytes: int) -> torch.Tensor:
+    """Allocate ``nbytes`` of page-locked host memory, costing ``nbytes`` of RAM (no rounding).
+
+    On torch 2.4-2.12 the caching host allocator rounds each pinned block up to a power of two (a
+    96 MiB tensor costs 128 MiB), so there the memory is taken as an ordinary host tensor and
+    page-locked with ``cudaHostRegister``; it is unregistered when the tensor dies. From 2.13 the
+    allocator hands out exact sizes and is used directly. The register path can go when torch 2.13
+    is the oldest supported release.
+
+    Args:
+        nbytes: The size of the block in bytes (at least 1).
+
+    Returns:
+        A 1-D ``uint8`` CPU tensor of ``nbytes`` elements whose memory is pinned. Keep this tensor
+        for as long as any view of it is in use.
+
+    Raises:
+        RuntimeError: If the memory cannot be allocated or page-locked (out of host memory, or a
+            limit on locked memory).
+    """
+    if TORCH_2_13_PLUS:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    block = torch.empty(nbytes, dtype=torch.uint8)
+    address = block.data_ptr()
+    status = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    code = int(getattr(status, "value", status))
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}")
+    # The finalizer hangs on the returned tensor: callers keep it for the block's whole life and
+    # only make short-lived views of it.
+    weakref.finalize(block, _unregister, address)
+    return block
+
+
+def storage_use_count(tensor: torch.Tensor) -> int | None:
+    """Return how many tensors share ``tensor``'s storage, or None where torch cannot tell.
+
+    matepoint reports offloads that freed no device memory (the storage is kept alive elsewhere).
+    torch offers the count only through the private ``torch._C._storage_Use_Count``.
+    """
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return None
+    storage = tensor.untyped_storage()
+    # The Python storage object made for the query holds one reference of its own.
+    return int(use_count(storage._cdata)) - 1

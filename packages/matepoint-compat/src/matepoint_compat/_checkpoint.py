@@ -1,0 +1,92 @@
+"""Adapters between matepoint's checkpoint call and the installed ``torch.utils.checkpoint``.
+
+torch's checkpoint grew keyword arguments over the releases matepoint supports. matepoint accepts
+the newest spelling on every release and translates it here, so users write one call whatever
+torch they have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import torch.utils.checkpoint as torch_checkpoint
+
+from matepoint_compat._version import TORCH_2_9_PLUS, TORCH_2_12_PLUS, TORCH_2_14_PLUS, TORCH_VERSION
+
+__all__ = [
+    "CHECKPOINT_SAVES_DUMMY_INPUT",
+    "TORCH_CHECKPOINT_KEYWORDS",
+    "adapt_checkpoint_kwargs",
+]
+
+CHECKPOINT_SAVES_DUMMY_INPUT: bool = not TORCH_2_12_PLUS
+"""Whether torch's non-reentrant checkpoint packs a 0-element CPU dummy before the inputs.
+
+torch 2.4-2.11 saves inputs with ``_NoopSaveInputs.apply(dummy, kwargs, *args)``; 2.12 moved to
+``frame.save_inputs``. Can go when torch 2.12 is the oldest supported release.
+"""
+
+TORCH_CHECKPOINT_KEYWORDS: frozenset[str] = frozenset(
+    {"preserve_rng_state", "context_fn", "determinism_check", "debug"}
+    | ({"early_stop"} if TORCH_2_9_PLUS else set())
+    | ({"respect_saved_tensors_hooks"} if TORCH_2_14_PLUS else set())
+)
+"""Keyword arguments the installed torch's checkpoint consumes itself (the rest reach the function)."""
+
+
+def _installed() -> str:
+    return ".".join(str(part) for part in TORCH_VERSION)
+
+
+@contextlib.contextmanager
+def _no_context() -> Iterator[None]:
+    yield
+
+
+def adapt_checkpoint_kwargs(
+    kwargs: MutableMapping[str, Any], *, use_reentrant: bool
+) -> contextlib.AbstractContextManager[None]:
+    """Rewrite checkpoint keyword arguments in place for the installed torch.
+
+    Returns a context manager to run torch's checkpoint under, for options that older releases
+    only offer as a global switch.
+
+    - ``early_stop=`` (a keyword from torch 2.9): on older releases it is removed from ``kwargs``
+      and applied through ``torch.utils.checkpoint.set_checkpoint_early_stop`` around the call,
+      which those releases already have. Shim can go when torch 2.9 is the oldest supported.
+    - ``respect_saved_tensors_hooks=`` (a keyword from torch 2.14): matepoint's own saved-tensor
+      hooks are always in scope, so on 2.14+ with ``context_fn`` and no explicit choice, matepoint
+      passes ``False`` (torch's legacy default) to keep SAC-cached tensors on the device as torch
+      does, without torch's FutureWarning about a hook the user never installed. On older torch
+      the keyword raises ``TypeError``: silently ignoring it would change what is offloaded.
+
+    Args:
+        kwargs: The keyword arguments of the checkpoint call, minus matepoint's own.
+        use_reentrant: The resolved ``use_reentrant`` flag.
+
+    Returns:
+        A context manager that the torch checkpoint call must run inside.
+
+    Raises:
+        TypeError: If a keyword needs a newer torch than the installed one.
+    """
+    context: contextlib.AbstractContextManager[None] = _no_context()
+    if not TORCH_2_9_PLUS and "early_stop" in kwargs:
+        early_stop = bool(kwargs.pop("early_stop"))
+        if not use_reentrant:
+            context = torch_checkpoint.set_checkpoint_early_stop(early_stop)
+    if "respect_saved_tensors_hooks" in kwargs and not TORCH_2_14_PLUS:
+        raise TypeError(
+            "checkpoint() got respect_saved_tensors_hooks=, which needs torch>=2.14; "
+            f"the installed torch is {_installed()}"
+        )
+    if (
+        TORCH_2_14_PLUS
+        and not use_reentrant
+        and "context_fn" in kwargs
+        and "respect_saved_tensors_hooks" not in kwargs
+    ):
+        kwargs["respect_saved_tensors_hooks"] = False
+    return context

@@ -1,0 +1,46 @@
+"""matepoint: a drop-in ``torch.utils.checkpoint`` that offloads checkpoint inputs to host memory.
+
+Replace ``from torch.utils.checkpoint import checkpoint`` with ``from matepoint import checkpoint``:
+gradients stay identical, and the activations a checkpointed model still keeps (each checkpoint's
+inputs) move to pinned CPU RAM during forward and come back just in time in backward, on a side
+stream that overlaps compute.
+"""
+
+import sys
+
+import matepoint_compat as _compat
+
+from matepoint._checkpoint import checkpoint, checkpoint_sequential
+from matepoint._errors import InplaceModificationError, MatepointError, PinnedMemoryExhausted
+from matepoint._monitor import release_pool, report, reset_stats, stats
+from matepoint._options import OffloadOptions, configure, get_options, options
+from matepoint._stats import OffloadStats
+
+__version__ = "0.2.0"
+
+if _compat.__version__ != __version__:
+    raise ImportError(
+        f"matepoint {__version__} needs matepoint-compat {__version__}, but "
+        f"{_compat.__version__} is installed; install matching versions "
+        f"(pip install 'matepoint-compat=={__version__}')"
+    )
+
+__all__ = [
+    "InplaceModificationError",
+    "MatepointError",
+    "OffloadOptions",
+    "OffloadStats",
+    "PinnedMemoryExhausted",
+    "__version__",
+    "checkpoint",
+    "checkpoint_sequential",
+    "configure",
+    "get_options",
+    "options",
+    "release_pool",
+    "report",
+    "reset_stats",
+    "stats",
+]
+
+_compat.install_legacy_module(sys.modules[__name__])

@@ -1,0 +1,273 @@
+"""``matepoint.checkpoint``: torch's checkpoint with the saved inputs offloaded to host memory.
+
+matepoint does not re-implement checkpointing. It runs ``torch.utils.checkpoint.checkpoint``
+inside its own ``saved_tensors_hooks``; torch's inner hooks shadow matepoint's inside the
+checkpointed function, so the only tensors matepoint's pack hook sees are the checkpoint's saved
+inputs. Every torch feature (reentrant and not, RNG preservation, ``context_fn``, determinism
+checks, early stop) therefore behaves exactly as in torch; matepoint only decides where the saved
+inputs live until backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils import _pytree as pytree
+
+import matepoint_compat as compat
+from matepoint._engine import pack, unpack
+from matepoint._options import OffloadOptions, get_options
+
+__all__ = ["checkpoint", "checkpoint_sequential"]
+
+_CHECKPOINT_OPTION_NAMES = frozenset(
+    {
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+        "respect_saved_tensors_hooks",
+    }
+)
+_SIMPLE_LEAF_TYPES = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def _resolve_options(offload: OffloadOptions | bool | None) -> OffloadOptions | None:
+    if offload is None or offload is True:
+        return get_options()
+    if offload is False:
+        return None
+    if isinstance(offload, OffloadOptions):
+        return offload
+    raise TypeError(
+        f"checkpoint() offload= must be an OffloadOptions, True, False or None, got {type(offload).__name__}"
+    )
+
+
+class _OffloadHooks(saved_tensors_hooks):
+    """matepoint's outer hooks for one checkpoint call, carrying that call's options."""
+
+    def __init__(self, options: OffloadOptions, pipelined: bool) -> None:
+        def pack_hook(tensor: torch.Tensor) -> Any:
+            return pack(tensor, options, pipelined)
+
+        def unpack_hook(saved: Any) -> torch.Tensor:
+            return unpack(saved, options)
+
+        super().__init__(pack_hook, unpack_hook)
+
+
+def _needs_flattening(args: tuple[Any, ...], function_kwargs: dict[str, Any]) -> bool:
+    if any(not isinstance(value, _SIMPLE_LEAF_TYPES) for value in args):
+        return True
+    return any(not isinstance(value, _SIMPLE_LEAF_TYPES) or isinstance(value, torch.Tensor)
+               for value in function_kwargs.values())
+
+
+def _flattened_call(
+    function: Callable[..., Any], args: tuple[Any, ...], function_kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[torch.Tensor, ...]]:
+    """Turn ``function(*args, **kwargs)`` into ``run(*tensors)`` over every tensor leaf.
+
+    torch's checkpoint saves only top-level tensor arguments; tensors in tuples, lists, dicts or
+    keyword arguments are held by plain reference, so no hook could move them. Passing every
+    tensor leaf as a top-level argument lets them be offloaded too, and version-checked: torch
+    itself would recompute from a nested tensor modified in place without noticing.
+    """
+    leaves, spec = pytree.tree_flatten((args, function_kwargs))
+    positions = [index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = tuple(leaves[index] for index in positions)
+
+    def run(*tensor_args: torch.Tensor) -> Any:
+        filled = list(leaves)
+        for index, tensor in zip(positions, tensor_args, strict=True):
+            filled[index] = tensor
+        call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
+        return function(*call_args, **call_kwargs)
+
+    return run, tensors
+
+
+def checkpoint(
+    function: Callable[..., Any] | None = None,
+    *args: Any,
+    use_reentrant: bool | None = False,
+    pipeline: bool = True,
+    offload: OffloadOptions | bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Checkpoint ``function`` like ``torch.utils.checkpoint.checkpoint``, offloading its inputs.
+
+    Activations inside ``function`` are recomputed in backward, as with torch's checkpoint. In
+    addition the inputs torch keeps for that recomputation (the only activations a checkpointed
+    model still holds) are copied to pinned host memory during forward and copied back just
+    before backward needs them, on a side stream that overlaps compute. Device memory for
+    activations then stays flat as the model gets deeper, at the cost of host RAM and PCIe
+    traffic that the overlap hides. Tensors nested in tuples, lists, dicts and keyword arguments
+    are offloaded too; parameters, tensors below ``min_offload_bytes`` and tensors not on an
+    accelerator stay where they are. Gradients are identical to torch's checkpoint.
+
+    Args:
+        function: What to run. With no function and no args, returns a decorator configured by
+            the keyword arguments.
+        *args: Arguments of ``function``.
+        use_reentrant: torch's flag. Default: ``False`` (``None`` means ``True`` with torch's
+            warning, as in torch).
+        pipeline: Copy on a side stream overlapping compute (``True``) or synchronously on the
+            compute stream (``False``, for debugging and comparison). Default: ``True``.
+        offload: :class:`OffloadOptions` for this call, ``None`` for the process defaults
+            (:func:`matepoint.configure`), or ``False`` to offload nothing (plain torch checkpoint).
+        **kwargs: torch's checkpoint options (``preserve_rng_state``, ``context_fn``,
+            ``determinism_check``, ``debug``, ``early_stop``, ``respect_saved_tensors_hooks``,
+            accepted on every torch matepoint supports where they can be honoured), then keyword
+            arguments of ``function``. The 0.1.x keywords ``stream=``, ``matepoint_ctx=`` and
+            ``check_inplace_modifications=`` are accepted with a deprecation warning.
+
+    Returns:
+        What ``function`` returns.
+
+    Raises:
+        InplaceModificationError: In backward, if an offloaded input was modified in place after
+            the forward (torch raises a ``RuntimeError`` for the same case).
+        PinnedMemoryExhausted: If pinned memory runs out and the policy is ``"raise"``.
+        TypeError: For an ``offload=`` of the wrong type, or an option the installed torch lacks.
+
+    Example:
+        >>> import torch
+        >>> from matepoint import checkpoint
+        >>> block = torch.nn.Linear(64, 64)
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> y = checkpoint(block, x)
+        >>> y.sum().backward()
+    """
+    compat.pop_legacy_checkpoint_kwargs(kwargs, stacklevel=3)
+    if function is None:
+        if args:
+            raise TypeError("checkpoint() got positional arguments but no function to run")
+        return _decorator(use_reentrant=use_reentrant, pipeline=pipeline, offload=offload, **kwargs)
+    reentrant = True if use_reentrant is None else bool(use_reentrant)
+    options = _resolve_options(offload)
+    checkpoint_options = {name: kwargs.pop(name) for name in list(kwargs) if name in _CHECKPOINT_OPTION_NAMES}
+    function_kwargs = kwargs
+    adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)
+    if (
+        options is None
+        or not torch.is_grad_enabled()
+        or compat.saved_tensors_hooks_active()
+        or not compat.saved_tensors_hooks_enabled()
+    ):
+        # Nothing to save, or an outer saved-tensor hook (another checkpoint's forward or
+        # recomputation, save_on_cpu) owns the saved inputs: plain torch checkpoint.
+        with adapted:
+            return torch_checkpoint.checkpoint(
+                function, *args, use_reentrant=use_reentrant, **checkpoint_options, **function_kwargs
+            )
+    pipelined = pipeline and not compat.legacy_pipeline_disabled()
+    call_function, call_args = function, args
+    if not reentrant and _needs_flattening(args, function_kwargs):
+        call_function, call_args = _flattened_call(function, args, function_kwargs)
+        function_kwargs = {}
+    with adapted, _OffloadHooks(options, pipelined):
+        return torch_checkpoint.checkpoint(
+            call_function,
+            *call_args,
+            use_reentrant=use_reentrant,
+            **checkpoint_options,
+            **function_kwargs,
+        )
+
+
+def _decorator(**settings: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def checkpointed(*args: Any, **kwargs: Any) -> Any:
+            return checkpoint(function, *args, **settings, **kwargs)
+
+        return checkpointed
+
+    return decorate
+
+
+def checkpoint_sequential(
+    functions: torch.nn.Sequential | Iterable[Callable[[Any], Any]],
+    segments: int,
+    input: torch.Tensor,
+    use_reentrant: bool | None = False,
+    pipeline: bool = True,
+    offload: OffloadOptions | bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run a sequence of modules in ``segments`` chunks, each but the last checkpointed.
+
+    Same contract as ``torch.utils.checkpoint.checkpoint_sequential`` (one tensor flows through
+    the sequence; the last segment runs without checkpointing, its activations are needed at
+    once), with each segment's input offloaded as in :func:`checkpoint`.
+
+    Args:
+        functions: A ``torch.nn.Sequential`` or a sequence of modules or functions.
+        segments: Number of chunks.
+        input: The tensor fed to the first function.
+        use_reentrant: As in :func:`checkpoint`. Default: ``False``.
+        pipeline: As in :func:`checkpoint`. Default: ``True``.
+        offload: As in :func:`checkpoint`.
+        **kwargs: ``preserve_rng_state`` only, as in torch.
+
+    Returns:
+        The output of the last function.
+
+    Raises:
+        ValueError: For keyword arguments other than ``preserve_rng_state``, or ``segments`` < 1.
+
+    Example:
+        >>> import torch
+        >>> from matepoint import checkpoint_sequential
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+        >>> out = checkpoint_sequential(model, 2, torch.randn(2, 16, requires_grad=True))
+    """
+    compat.pop_legacy_checkpoint_kwargs(kwargs, stacklevel=3)
+    preserve = kwargs.pop("preserve_rng_state", True)
+    if kwargs:
+        raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+    if use_reentrant is None:
+        warnings.warn(
+            "matepoint.checkpoint_sequential: use_reentrant=None means use_reentrant=True, as "
+            "in torch.utils.checkpoint; pass use_reentrant explicitly (False is recommended).",
+            UserWarning,
+            stacklevel=2,
+        )
+        use_reentrant = True
+    if isinstance(functions, torch.nn.Sequential):
+        function_list: list[Callable[[Any], Any]] = list(functions.children())
+    else:
+        function_list = list(functions)
+    if segments < 1:
+        raise ValueError(f"checkpoint_sequential() needs segments >= 1, got {segments}")
+
+    def run_segment(start: int, end: int) -> Callable[[Any], Any]:
+        def forward(value: Any) -> Any:
+            for index in range(start, end + 1):
+                value = function_list[index](value)
+            return value
+
+        return forward
+
+    segment_size = len(function_list) // segments
+    end = -1
+    for start in range(0, segment_size * (segments - 1), segment_size):
+        end = start + segment_size - 1
+        input = checkpoint(
+            run_segment(start, end),
+            input,
+            use_reentrant=use_reentrant,
+            pipeline=pipeline,
+            offload=offload,
+            preserve_rng_state=preserve,
+        )
+    return run_segment(end + 1, len(function_list) - 1)(input)

@@ -1,0 +1,403 @@
+"""The offload engine: decides where each checkpoint input lives between forward and backward.
+
+One ``ChannelEngine`` per device (per transport channel) owns that device's records, its held
+originals (stash and copies in flight), its pinned pool and its counters. The checkpoint module
+calls :func:`pack` and :func:`unpack` from the saved-tensor hooks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from collections import deque
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from matepoint._options import OffloadOptions
+from matepoint._pool import PinnedPool
+from matepoint._records import KeptTensor, Record, inplace_error
+from matepoint._stats import Counters
+from matepoint._transport import Channel, CudaTransport, Transport
+
+__all__ = [
+    "ChannelEngine",
+    "all_engines",
+    "pack",
+    "set_transport",
+    "transport",
+    "unpack",
+]
+
+_PREFETCH_SCAN_LIMIT = 64
+_TIMING_BACKLOG = 4096
+
+_transport_lock = threading.Lock()
+_transport: Transport | None = None
+_engines: dict[Hashable, ChannelEngine] = {}
+
+
+def transport() -> Transport:
+    """Return the process-wide transport (the CUDA one unless a test installed another)."""
+    global _transport
+    if _transport is None:
+        with _transport_lock:
+            if _transport is None:
+                _transport = CudaTransport()
+    return _transport
+
+
+def set_transport(new_transport: Transport) -> None:
+    """Install ``new_transport`` for every offload from now on (tests use ``use_transport``)."""
+    global _transport
+    with _transport_lock:
+        _transport = new_transport
+
+
+def all_engines() -> list[ChannelEngine]:
+    """Return every channel engine created so far."""
+    with _transport_lock:
+        return list(_engines.values())
+
+
+def _engine_for(key: Hashable, tensor: torch.Tensor, active: Transport) -> ChannelEngine:
+    engine = _engines.get(key)
+    if engine is None:
+        with _transport_lock:
+            engine = _engines.get(key)
+            if engine is None:
+                engine = ChannelEngine(active.channel(tensor), str(key))
+                _engines[key] = engine
+    return engine
+
+
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill exactly ``numel`` slots of its storage, without overlap."""
+    if tensor.is_contiguous():
+        return True
+    dims = sorted(
+        (stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size != 1
+    )
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _keep(tensor: torch.Tensor) -> KeptTensor:
+    try:
+        version = tensor._version
+    except RuntimeError:  # inference tensors have no version counter
+        version = -1
+    return KeptTensor(tensor, version)
+
+
+_kept_counters = Counters()
+
+
+def pack(tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Record | KeptTensor:
+    """Decide where a saved checkpoint input lives until backward; start its copy if it moves.
+
+    Args:
+        tensor: A tensor torch's checkpoint saves for recomputation.
+        options: The call's resolved options.
+        pipelined: Copy on the side stream (True) or synchronously on the compute stream.
+
+    Returns:
+        The object autograd keeps in place of the tensor.
+    """
+    if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
+        if isinstance(tensor, torch.nn.Parameter):
+            _kept_counters.skipped_parameters += 1
+        else:
+            _kept_counters.skipped_other += 1
+        return _keep(tensor)
+    if tensor.numel() * tensor.element_size() < max(options.min_offload_bytes, 1):
+        _kept_counters.skipped_small += 1
+        return _keep(tensor)
+    active = transport()
+    key = active.channel_key(tensor)
+    if (
+        key is None
+        or tensor.layout != torch.strided
+        or tensor.is_inference()
+        or tensor.is_quantized
+        or not _is_dense(tensor)
+    ):
+        _kept_counters.skipped_other += 1
+        return _keep(tensor)
+    return _engine_for(key, tensor, active).offload(tensor, options, pipelined)
+
+
+def unpack(saved: Record | KeptTensor, options: OffloadOptions) -> torch.Tensor:
+    """Return the device tensor for a saved input, from wherever it lives now.
+
+    Args:
+        saved: What :func:`pack` returned.
+        options: The options of the checkpoint call that saved it (look-ahead, debug delay).
+    """
+    if isinstance(saved, KeptTensor):
+        return saved.unpack()
+    return saved.owner.restore(saved, options)
+
+
+class ChannelEngine:
+    """Offload bookkeeping of one device channel. All state changes happen under ``lock``.
+
+    Args:
+        channel: The transport's channel for the device.
+        name: A label for reports.
+    """
+
+    def __init__(self, channel: Channel, name: str) -> None:
+        self.channel = channel
+        self.name = name
+        self.lock = threading.RLock()
+        self.pool = PinnedPool(channel)
+        self.counters = Counters()
+        self.graveyard: deque[tuple[Any, ...]] = deque()
+        self._sequence = 0
+        self._order: list[int] = []
+        self._records: dict[int, weakref.ref[Record]] = {}
+        self._by_key: dict[tuple[Any, ...], weakref.ref[Record]] = {}
+        self._held: deque[weakref.ref[Record]] = deque()
+        self._timings: deque[Any] = deque()
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def offload(self, tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Record:
+        """Start moving ``tensor`` to the host and return its record (or a shared one)."""
+        with self.lock:
+            self._settle_graveyard()
+            key = (
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.stride(),
+                tensor.dtype,
+                tensor._version,
+            )
+            shared_ref = self._by_key.get(key)
+            shared = shared_ref() if shared_ref is not None else None
+            if shared is not None and shared.original() is not None and not shared.modified:
+                self.counters.dedupe_hits += 1
+                return shared
+            nbytes = tensor.numel() * tensor.element_size()
+            block = self.pool.acquire(nbytes, options, on_side_stream=pipelined)
+            host = (
+                block.buffer[:nbytes]
+                .view(tensor.dtype)
+                .as_strided(tensor.shape, tensor.stride())
+            )
+            self._sequence += 1
+            record = Record(
+                sequence=self._sequence,
+                original=tensor,
+                host=host,
+                block=block,
+                key=key,
+                pipelined=pipelined,
+                owner=self,
+            )
+            if pipelined:
+                event = self.channel.copy_out(tensor, host, options.side_stream_delay_cycles)
+                record.copy_event = event
+                block.last_event = event
+            else:
+                self.channel.copy_out_now(tensor, host)
+            reference = weakref.ref(record)
+            self._records[record.sequence] = reference
+            self._order.append(record.sequence)
+            self._by_key[key] = reference
+            self._held.append(reference)
+            self.counters.offloads += 1
+            self.counters.bytes_offloaded += nbytes
+            self._release_held(options)
+            return record
+
+    def _release_held(self, options: OffloadOptions) -> None:
+        """Drop device originals whose copy finished, keeping the newest ``stash_bytes``.
+
+        Copies on the one side stream finish in order, so scanning from the oldest stops at the
+        first copy still running. If more than ``max_inflight_bytes`` are then still held beyond
+        the stash, the host waits for the oldest copies: memory stays bounded when compute
+        outruns the link.
+        """
+        held = [(ref, ref()) for ref in self._held]
+        alive = [(ref, record) for ref, record in held if record is not None and record.device_tensor is not None]
+        self._held = deque(ref for ref, _ in alive)
+        held_bytes = sum(record.nbytes for _, record in alive)
+        for _, record in alive:
+            if held_bytes <= options.stash_bytes:
+                break
+            beyond_stash = held_bytes - options.stash_bytes
+            event = record.copy_event
+            if event is not None and not self.channel.is_complete(event):
+                if beyond_stash <= options.max_inflight_bytes:
+                    break
+                self.counters.host_wait_seconds += self.channel.synchronize(event)
+                self.counters.throttled_waits += 1
+            self._drop_original(record)
+            self._held.popleft()
+            held_bytes -= record.nbytes
+
+    def _drop_original(self, record: Record) -> None:
+        tensor = record.device_tensor
+        assert tensor is not None
+        if tensor._version != record.version:
+            # The original changed before we knew its copy had finished: the host copy may hold
+            # either version, so backward must raise as torch would.
+            record.modified = True
+        record.copy_event = None
+        record.block.last_event = record.prefetch_event
+        use_count = _storage_use_count(tensor)
+        del tensor
+        record.device_tensor = None
+        if record.original() is not None or (use_count is not None and use_count > 1):
+            # The tensor, or another view of its storage, lives on elsewhere.
+            self.counters.offloads_freed_nothing += 1
+
+    # -- backward --------------------------------------------------------------------------
+
+    def restore(self, record: Record, options: OffloadOptions) -> torch.Tensor:
+        """Return a device tensor with the record's contents for the computation now running."""
+        with self.lock:
+            self._settle_graveyard()
+            record.unpacks += 1
+            original = record.original()
+            if record.modified:
+                current = original._version if original is not None else record.version + 1
+                raise inplace_error(record.tensor_type, record.shape, current, record.version)
+            if original is not None and original._version != record.version:
+                raise inplace_error(
+                    record.tensor_type, record.shape, original._version, record.version
+                )
+            if original is not None:
+                # Still on the device (stash, copy in flight, or kept alive elsewhere): no copy.
+                self.counters.stash_hits += 1
+                self.counters.bytes_served_from_stash += record.nbytes
+                result = original
+            elif record.prefetched is not None:
+                result = record.prefetched
+                self._wait(record.prefetch_event, options)
+                self.channel.hand_to_compute(result)
+                record.prefetched = None
+                self.counters.prefetch_hits += 1
+            elif record.pipelined:
+                result, event = self.channel.copy_in(record.host, options.side_stream_delay_cycles)
+                record.block.last_event = event
+                self.counters.fetches += 1
+                self.counters.bytes_fetched += record.nbytes
+                self._wait(event, options)
+                self.channel.hand_to_compute(result)
+            else:
+                result = self.channel.copy_in_now(record.host)
+                self.counters.fetches += 1
+                self.counters.bytes_fetched += record.nbytes
+            if record.pipelined and options.prefetch > 0:
+                self._prefetch_before(record, options)
+            return result
+
+    def _wait(self, event: Any, options: OffloadOptions) -> None:
+        token = self.channel.wait(event, options.measure_waits)
+        if token is not None:
+            self._timings.append(token)
+            if len(self._timings) > _TIMING_BACKLOG:
+                self._resolve_timings(block=True, limit=len(self._timings) - _TIMING_BACKLOG)
+
+    def _prefetch_before(self, record: Record, options: OffloadOptions) -> None:
+        """Start copying back the records packed just before ``record`` (look-ahead)."""
+        index = bisect.bisect_left(self._order, record.sequence)
+        started = 0
+        scanned = 0
+        position = index - 1
+        while position >= 0 and started < options.prefetch and scanned < _PREFETCH_SCAN_LIMIT:
+            reference = self._records.get(self._order[position])
+            candidate = reference() if reference is not None else None
+            position -= 1
+            scanned += 1
+            if candidate is None or candidate.unpacks >= record.unpacks or not candidate.pipelined:
+                continue
+            started += 1
+            if (
+                candidate.prefetched is not None
+                or candidate.modified
+                or candidate.original() is not None
+            ):
+                continue
+            tensor, event = self.channel.copy_in(candidate.host, options.side_stream_delay_cycles)
+            candidate.prefetched = tensor
+            candidate.prefetch_event = event
+            candidate.block.last_event = event
+            self.counters.prefetches += 1
+            self.counters.fetches += 1
+            self.counters.bytes_fetched += candidate.nbytes
+
+    # -- housekeeping ----------------------------------------------------------------------
+
+    def _settle_graveyard(self) -> None:
+        """Return dead records' host blocks to the pool. See Note [Record lifetime]."""
+        settled = False
+        while self.graveyard:
+            block, key, sequence = self.graveyard.popleft()
+            self.pool.give_back(block)
+            self._records.pop(sequence, None)
+            reference = self._by_key.get(key)
+            if reference is not None and reference() is None:
+                del self._by_key[key]
+            settled = True
+        if settled and len(self._order) > 2 * len(self._records) + 16:
+            self._order = [sequence for sequence in self._order if sequence in self._records]
+
+    def _resolve_timings(self, block: bool, limit: int | None = None) -> None:
+        resolved = 0
+        while self._timings and (limit is None or resolved < limit):
+            seconds = self.channel.wait_seconds(self._timings[0], block)
+            if seconds is None:
+                break
+            self._timings.popleft()
+            self.counters.compute_wait_seconds += seconds
+            resolved += 1
+
+    def settle(self, block: bool) -> None:
+        """Bring counters and the pool up to date (dead records, finished timings)."""
+        with self.lock:
+            self._settle_graveyard()
+            self._resolve_timings(block=block)
+
+    def live_records(self) -> int:
+        """Return how many records are alive (held by some autograd graph)."""
+        with self.lock:
+            self._settle_graveyard()
+            return sum(1 for reference in self._records.values() if reference() is not None)
+
+    def held_bytes(self) -> int:
+        """Return device bytes of originals the engine still references (stash and in flight)."""
+        with self.lock:
+            total = 0
+            for reference in self._held:
+                record = reference()
+                if record is not None and record.device_tensor is not None:
+                    total += record.nbytes
+            return total
+
+    def release_pool(self) -> int:
+        """Free idle pinned blocks; return the bytes freed."""
+        with self.lock:
+            self._settle_graveyard()
+            return self.pool.release_all_idle()
+
+
+def _storage_use_count(tensor: torch.Tensor) -> int | None:
+    from matepoint_compat import storage_use_count
+
+    return storage_use_count(tensor)
+
+
+def kept_counters() -> Counters:
+    """Return the counters of tensors left in place (not per device)."""
+    return _kept_counters

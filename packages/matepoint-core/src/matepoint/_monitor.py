@@ -1,0 +1,80 @@
+"""Process-wide views over every device's engine: stats, report, pool release."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from matepoint._engine import all_engines, kept_counters
+from matepoint._stats import Counters, OffloadStats, format_report
+
+__all__ = ["release_pool", "report", "reset_stats", "stats"]
+
+_COUNTER_NAMES = tuple(field.name for field in dataclasses.fields(Counters))
+
+
+def stats(*, synchronize: bool = False) -> OffloadStats:
+    """Return a snapshot of what matepoint has moved and waited for since the last reset.
+
+    Args:
+        synchronize: Wait for outstanding device timing events, so ``compute_wait_seconds``
+            includes the latest waits (off by default: reading stats never stalls training).
+
+    Returns:
+        The counters summed over all devices, plus the pools' and engines' current sizes.
+
+    Example:
+        >>> import matepoint
+        >>> matepoint.stats().bytes_offloaded >= 0
+        True
+    """
+    totals: dict[str, float] = dict.fromkeys(_COUNTER_NAMES, 0)
+    snapshot = OffloadStats()
+    engines = all_engines()
+    for engine in engines:
+        engine.settle(block=synchronize)
+    for counters in [kept_counters()] + [engine.counters for engine in engines]:
+        for name in _COUNTER_NAMES:
+            totals[name] += getattr(counters, name)
+    for name, value in totals.items():
+        setattr(snapshot, name, type(getattr(snapshot, name))(value))
+    for engine in engines:
+        snapshot.pool_pinned_bytes += engine.pool.pinned_bytes
+        snapshot.pool_in_use_bytes += engine.pool.in_use_bytes
+        snapshot.pool_blocks_allocated += engine.pool.blocks_allocated
+        snapshot.pool_blocks_reused += engine.pool.blocks_reused
+        snapshot.pageable_fallbacks += engine.pool.pageable_fallbacks
+        snapshot.live_records += engine.live_records()
+        snapshot.device_bytes_held += engine.held_bytes()
+    return snapshot
+
+
+def reset_stats() -> None:
+    """Set every counter back to zero (pool and live sizes are current values, not reset)."""
+    kept_counters().reset()
+    for engine in all_engines():
+        with engine.lock:
+            engine.counters.reset()
+            engine.pool.blocks_allocated = 0
+            engine.pool.blocks_reused = 0
+            engine.pool.pageable_fallbacks = 0
+
+
+def report(*, synchronize: bool = False) -> str:
+    """Return a short readable report of :func:`stats`.
+
+    Example:
+        >>> import matepoint
+        >>> print(matepoint.report())  # doctest: +ELLIPSIS
+        matepoint offload report
+        ...
+    """
+    return format_report(stats(synchronize=synchronize))
+
+
+def release_pool() -> int:
+    """Free every idle pinned host block (e.g. between training and evaluation).
+
+    Returns:
+        The bytes of pinned memory freed.
+    """
+    return sum(engine.release_pool() for engine in all_engines())

@@ -1,0 +1,166 @@
+"""Exact-size pinned host blocks, reused across steps.
+
+Training repeats the same shapes every step, so blocks keyed by their exact byte size are reused
+almost always and host RAM stays close to the bytes offloaded (no power-of-two rounding). When
+shapes change, idle blocks of sizes no longer asked for are released, so the pool follows the
+working set instead of growing with every shape it has seen.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from matepoint._errors import PinnedMemoryExhausted
+from matepoint._options import OffloadOptions
+from matepoint._transport import Channel
+
+__all__ = ["HostBlock", "PinnedPool"]
+
+_IDLE_FLOOR_BYTES = 64 << 20
+_IDLE_FRACTION = 0.05
+
+
+class HostBlock:
+    """One host buffer and the side-stream event of its last copy (None when known finished)."""
+
+    __slots__ = ("buffer", "last_event", "nbytes", "pinned")
+
+    def __init__(self, buffer: torch.Tensor, pinned: bool) -> None:
+        self.buffer = buffer
+        self.nbytes = int(buffer.numel())
+        self.pinned = pinned
+        self.last_event: Any = None
+
+
+class PinnedPool:
+    """The pinned host blocks of one channel.
+
+    Not thread-safe on its own: the engine calls it under its channel lock.
+
+    Args:
+        channel: The channel whose side stream uses these blocks.
+    """
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+        self._idle: OrderedDict[int, list[HostBlock]] = OrderedDict()
+        self.pinned_bytes = 0
+        self.idle_bytes = 0
+        self.in_use_bytes = 0
+        self.pageable_bytes = 0
+        self.blocks_allocated = 0
+        self.blocks_reused = 0
+        self.blocks_released = 0
+        self.pageable_fallbacks = 0
+        self._warned_pageable = False
+
+    def acquire(self, nbytes: int, options: OffloadOptions, *, on_side_stream: bool) -> HostBlock:
+        """Return a host block of exactly ``nbytes``, pinned unless the policy allows otherwise.
+
+        Args:
+            nbytes: Size of the block.
+            options: The call's options (pool cap and exhaustion policy).
+            on_side_stream: Whether the caller will use the block on the side stream (then it is
+                ordered after the block's previous copy without a wait). See Note [Stream ordering].
+
+        Returns:
+            The block; give it back with :meth:`give_back`.
+
+        Raises:
+            PinnedMemoryExhausted: If pinned memory is out and the policy is ``"raise"``.
+        """
+        idle = self._idle.get(nbytes)
+        if idle:
+            block = idle.pop()
+            if not idle:
+                del self._idle[nbytes]
+            self.idle_bytes -= nbytes
+            self.in_use_bytes += nbytes
+            self.blocks_reused += 1
+            if not on_side_stream and block.last_event is not None:
+                self._channel.synchronize(block.last_event)
+                block.last_event = None
+            return block
+        cap = options.pool_cap_bytes
+        if cap is not None and self.pinned_bytes + nbytes > cap:
+            self._release_idle(target_idle=max(0, cap - nbytes - (self.pinned_bytes - self.idle_bytes)))
+        failure: str | None = None
+        if cap is not None and self.pinned_bytes + nbytes > cap:
+            failure = (
+                f"the pinned pool cap of {cap} bytes is reached "
+                f"({self.pinned_bytes} bytes pinned, {self.in_use_bytes} in use, {nbytes} more asked)"
+            )
+        else:
+            try:
+                buffer = self._channel.allocate_host(nbytes)
+            except RuntimeError as error:
+                self._release_idle(target_idle=0)
+                try:
+                    buffer = self._channel.allocate_host(nbytes)
+                except RuntimeError:
+                    failure = f"allocating {nbytes} bytes of pinned host memory failed: {error}"
+            if failure is None:
+                self.pinned_bytes += nbytes
+                self.in_use_bytes += nbytes
+                self.blocks_allocated += 1
+                self._trim_idle()
+                return HostBlock(buffer, pinned=True)
+        return self._fallback(nbytes, options, failure)
+
+    def _fallback(self, nbytes: int, options: OffloadOptions, failure: str) -> HostBlock:
+        if options.on_pool_exhausted == "raise":
+            raise PinnedMemoryExhausted(
+                f"matepoint: {failure}. Raise OffloadOptions.pool_cap_bytes, free host memory, or "
+                "set on_pool_exhausted='pageable' to continue with slower pageable copies."
+            )
+        if not self._warned_pageable:
+            self._warned_pageable = True
+            warnings.warn(
+                f"matepoint: {failure}; offloading to pageable host memory from now on when "
+                "pinned memory is short (copies are slower). Set on_pool_exhausted='raise' to "
+                "make this an error instead.",
+                ResourceWarning,
+                stacklevel=2,
+            )
+        self.pageable_fallbacks += 1
+        self.pageable_bytes += nbytes
+        return HostBlock(self._channel.allocate_pageable(nbytes), pinned=False)
+
+    def give_back(self, block: HostBlock) -> None:
+        """Return a block; pinned ones become idle for reuse, pageable ones are freed."""
+        if not block.pinned:
+            self.pageable_bytes -= block.nbytes
+            return
+        self.in_use_bytes -= block.nbytes
+        self.idle_bytes += block.nbytes
+        self._idle.setdefault(block.nbytes, []).append(block)
+        self._idle.move_to_end(block.nbytes)
+
+    def _trim_idle(self) -> None:
+        # A new size was just allocated: sizes sitting idle are from shapes no longer asked for.
+        bound = max(_IDLE_FLOOR_BYTES, int(_IDLE_FRACTION * self.in_use_bytes))
+        if self.idle_bytes > bound:
+            self._release_idle(target_idle=bound)
+
+    def _release_idle(self, target_idle: int) -> None:
+        while self.idle_bytes > target_idle and self._idle:
+            nbytes, blocks = next(iter(self._idle.items()))
+            block = blocks.pop()
+            if not blocks:
+                del self._idle[nbytes]
+            if block.last_event is not None:
+                # The side stream may still copy into or out of this block.
+                self._channel.synchronize(block.last_event)
+            self.idle_bytes -= nbytes
+            self.pinned_bytes -= nbytes
+            self.blocks_released += 1
+
+    def release_all_idle(self) -> int:
+        """Free every idle block; return the bytes freed."""
+        before = self.pinned_bytes
+        self._release_idle(target_idle=0)
+        return before - self.pinned_bytes

@@ -1,0 +1,142 @@
+"""What the engine knows about one offloaded tensor, and the holder for tensors it keeps in place.
+
+A record is the object matepoint's pack hook returns to autograd, so autograd owns its lifetime:
+it dies with the graph (after backward, or when the graph is dropped), and its death returns the
+host block. See Note [Record lifetime].
+
+Note [Record lifetime]
+    Records are referenced strongly only by autograd (and by another checkpoint that shares the
+    tensor, see dedupe in the engine). The engine refers to them through weak references, so a
+    dropped graph frees everything without any call from the user. A dying record must not take
+    the engine lock (it may die inside a locked section, through garbage collection), so
+    ``__del__`` only appends to the channel's graveyard, a deque whose append is atomic; the
+    engine settles the graveyard at its next operation and when stats are read.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from matepoint._errors import InplaceModificationError
+
+if TYPE_CHECKING:
+    from matepoint._engine import ChannelEngine
+    from matepoint._pool import HostBlock
+
+__all__ = ["KeptTensor", "Record", "inplace_error"]
+
+
+def _describe(tensor_type: str, shape: tuple[int, ...]) -> str:
+    return f"[{tensor_type} [{', '.join(str(size) for size in shape)}]]"
+
+
+def inplace_error(
+    tensor_type: str, shape: tuple[int, ...], version: int, expected: int
+) -> InplaceModificationError:
+    """Build the error for a saved checkpoint input modified in place, worded as torch words it."""
+    return InplaceModificationError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: {_describe(tensor_type, shape)} (an input of a matepoint.checkpoint) is at "
+        f"version {version}; expected version {expected} instead. Hint: clone the input before "
+        "modifying it in place, or modify it only after backward."
+    )
+
+
+class KeptTensor:
+    """A saved input matepoint leaves where it is, with the version it had when saved.
+
+    With saved-tensor hooks in place autograd skips its own version check, so matepoint does it.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+        self.tensor = tensor
+        self.version = version
+
+    def unpack(self) -> torch.Tensor:
+        """Return the tensor, or raise if it was modified in place since it was saved."""
+        if self.version >= 0 and self.tensor._version != self.version:
+            raise inplace_error(
+                self.tensor.type(), tuple(self.tensor.shape), self.tensor._version, self.version
+            )
+        return self.tensor
+
+
+class Record:
+    """One offloaded tensor: its host copy, the events that order it, and its device state.
+
+    Attributes:
+        sequence: Pack order on its channel; backward unpacks in roughly decreasing order.
+        device_tensor: The device original while the engine still holds it (stash or copy in
+            flight), else None.
+        original: Weak reference to the original tensor, to serve it again without a copy when
+            something else keeps it alive.
+        host: The host copy (a view of ``block``), shaped and strided like the original.
+        copy_event: Event of the copy to the host (None when synchronous).
+        prefetched: A device copy brought back ahead of its unpack, and its event.
+        modified: Set when the original was seen modified in place before its copy completed.
+        unpacks: How many times autograd unpacked it (twice with ``retain_graph``).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "block",
+        "copy_event",
+        "device_tensor",
+        "dtype",
+        "host",
+        "key",
+        "modified",
+        "nbytes",
+        "original",
+        "owner",
+        "pipelined",
+        "prefetch_event",
+        "prefetched",
+        "sequence",
+        "shape",
+        "tensor_type",
+        "unpacks",
+        "version",
+    )
+
+    def __init__(
+        self,
+        *,
+        sequence: int,
+        original: torch.Tensor,
+        host: torch.Tensor,
+        block: HostBlock,
+        key: tuple[Any, ...],
+        pipelined: bool,
+        owner: ChannelEngine,
+    ) -> None:
+        self.sequence = sequence
+        self.device_tensor: torch.Tensor | None = original
+        self.original = weakref.ref(original)
+        self.host = host
+        self.block = block
+        self.key = key
+        self.nbytes = int(original.numel() * original.element_size())
+        self.shape = tuple(original.shape)
+        self.dtype = original.dtype
+        self.tensor_type = original.type()
+        self.version = original._version
+        self.pipelined = pipelined
+        self.copy_event: Any = None
+        self.prefetched: torch.Tensor | None = None
+        self.prefetch_event: Any = None
+        self.modified = False
+        self.unpacks = 0
+        self.owner = owner
+
+    def __del__(self) -> None:
+        # See Note [Record lifetime]: no locks here.
+        device_tensor = self.device_tensor
+        if device_tensor is not None and self.copy_event is not None:
+            self.owner.channel.release_after_copies(device_tensor)
+        self.owner.graveyard.append((self.block, self.key, self.sequence))

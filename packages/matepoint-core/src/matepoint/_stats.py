@@ -1,0 +1,127 @@
+"""Counters of what matepoint moved, served and waited for, and a one-call report."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Counters", "OffloadStats", "format_report"]
+
+
+@dataclasses.dataclass
+class Counters:
+    """Mutable event counts of one channel (or of tensors kept in place); see OffloadStats."""
+
+    offloads: int = 0
+    bytes_offloaded: int = 0
+    fetches: int = 0
+    bytes_fetched: int = 0
+    prefetches: int = 0
+    prefetch_hits: int = 0
+    stash_hits: int = 0
+    bytes_served_from_stash: int = 0
+    dedupe_hits: int = 0
+    offloads_freed_nothing: int = 0
+    throttled_waits: int = 0
+    compute_wait_seconds: float = 0.0
+    host_wait_seconds: float = 0.0
+    skipped_small: int = 0
+    skipped_parameters: int = 0
+    skipped_other: int = 0
+
+    def reset(self) -> None:
+        """Set every count back to zero."""
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, field.default)
+
+
+@dataclasses.dataclass
+class OffloadStats(Counters):
+    """A snapshot of matepoint's counters since the last :func:`matepoint.reset_stats`.
+
+    A snapshot is a copy: changing it changes nothing in matepoint.
+
+    Attributes:
+        offloads: Tensors copied to host memory (a tensor shared by several checkpoints once).
+        bytes_offloaded: Their bytes.
+        fetches: Copies back to the device (prefetches included).
+        bytes_fetched: Their bytes.
+        prefetches: Copies back started ahead of need (look-ahead).
+        prefetch_hits: Unpacks served by a prefetched copy.
+        stash_hits: Unpacks served by the device original (stash, copy in flight, or kept alive
+            elsewhere), with no copy back.
+        bytes_served_from_stash: Their bytes.
+        dedupe_hits: Saves of a tensor already offloaded by another checkpoint.
+        offloads_freed_nothing: Offloads whose device original something else kept alive, so
+            releasing it freed no device memory.
+        throttled_waits: Times the host waited for a copy to bound the bytes in flight.
+        compute_wait_seconds: Time the compute stream waited for copies back (device time).
+        host_wait_seconds: Time the host waited for copies (throttling, pool recycling).
+        skipped_small: Saved inputs below ``min_offload_bytes``, kept in place.
+        skipped_parameters: Parameters, kept in place.
+        skipped_other: Others kept in place (not on an offloadable device, sparse, inference,
+            overlapping strides, tensor subclasses).
+        pool_pinned_bytes: Pinned host bytes the pools hold (in use and idle).
+        pool_in_use_bytes: Pinned host bytes holding live offloaded tensors.
+        pool_blocks_allocated: Pinned blocks allocated.
+        pool_blocks_reused: Acquisitions served by an idle block.
+        pageable_fallbacks: Tensors stored in pageable memory because pinned memory was short.
+        live_records: Offloaded tensors still referenced by some autograd graph.
+        device_bytes_held: Device bytes of originals matepoint still references (stash, copies
+            in flight).
+    """
+
+    pool_pinned_bytes: int = 0
+    pool_in_use_bytes: int = 0
+    pool_blocks_allocated: int = 0
+    pool_blocks_reused: int = 0
+    pageable_fallbacks: int = 0
+    live_records: int = 0
+    device_bytes_held: int = 0
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
+        count /= 1024
+    return f"{count:.2f} GiB"
+
+
+def format_report(stats: OffloadStats) -> str:
+    """Render a snapshot as a short aligned text report."""
+    rows = [
+        ("offloaded", f"{stats.offloads} tensors, {_bytes(stats.bytes_offloaded)}"),
+        (
+            "fetched back",
+            f"{stats.fetches} copies, {_bytes(stats.bytes_fetched)} "
+            f"({stats.prefetches} prefetched, {stats.prefetch_hits} used)",
+        ),
+        (
+            "served on device",
+            f"{stats.stash_hits} unpacks, {_bytes(stats.bytes_served_from_stash)} (no copy back)",
+        ),
+        ("shared (dedupe)", f"{stats.dedupe_hits} saves"),
+        ("freed nothing", f"{stats.offloads_freed_nothing} offloads (original kept alive elsewhere)"),
+        ("compute waited", f"{stats.compute_wait_seconds * 1e3:.2f} ms for copies back"),
+        ("host waited", f"{stats.host_wait_seconds * 1e3:.2f} ms ({stats.throttled_waits} throttles)"),
+        (
+            "kept in place",
+            f"{stats.skipped_small} small, {stats.skipped_parameters} parameters, "
+            f"{stats.skipped_other} other",
+        ),
+        (
+            "pinned pool",
+            f"{_bytes(stats.pool_pinned_bytes)} pinned, {_bytes(stats.pool_in_use_bytes)} in use, "
+            f"{stats.pool_blocks_allocated} allocated, {stats.pool_blocks_reused} reused, "
+            f"{stats.pageable_fallbacks} pageable fallbacks",
+        ),
+        (
+            "now",
+            f"{stats.live_records} live offloaded tensors, "
+            f"{_bytes(stats.device_bytes_held)} device bytes held",
+        ),
+    ]
+    width = max(len(label) for label, _ in rows)
+    lines = ["matepoint offload report"]
+    lines += [f"  {label.ljust(width)}  {value}" for label, value in rows]
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""The narrow interface between the offload engine and a device: allocate, copy, order, wait.
+
+The engine keeps all bookkeeping (what is where, when it may be released); a transport only moves
+bytes and orders streams. The CUDA transport is the real one; ``matepoint.testing`` has one that
+treats CPU tensors as device tensors, so the bookkeeping runs in CI without a GPU.
+
+Note [Stream ordering]
+    Every copy runs on the device's side stream, never on the compute stream, and is ordered by
+    events, never by a host-side synchronize:
+
+    - copy out (forward): the side stream waits on an event recorded on the compute stream at
+      pack time, so it reads the input after the kernels that produced it. The engine keeps the
+      device original referenced until it has seen the copy's event complete (and then checks
+      the original's version, so an in-place write that raced the copy is caught, never used).
+      If the autograd graph dies first, the original goes to the caching allocator with
+      ``record_stream(side)``, so its memory is not reused under the copy.
+    - copy in (backward): the destination is allocated from the side stream's pool, so no compute
+      kernel can still be using that memory, and the copy starts at once. Before the compute
+      stream reads it, the compute stream waits on the copy's event, and the tensor is marked
+      ``record_stream(compute)`` so the allocator does not reuse it before compute is done.
+    - host blocks are written and read only by the one side stream of their device, so a block
+      returned to the pool can be reused by the next copy without a wait: the stream orders them.
+      Synchronous copies (``pipeline=False``) on the compute stream first wait on the block's last
+      side-stream event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from typing import Any, Protocol
+
+import torch
+
+import matepoint_compat as compat
+
+__all__ = ["Channel", "CudaTransport", "Transport"]
+
+
+class Channel(Protocol):
+    """One device's copy machinery: its side stream, events and host allocation."""
+
+    device: torch.device
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        """Return ``nbytes`` of pinned host memory as a 1-D uint8 tensor (may raise RuntimeError)."""
+
+    def allocate_pageable(self, nbytes: int) -> torch.Tensor:
+        """Return ``nbytes`` of ordinary host memory as a 1-D uint8 tensor."""
+
+    def copy_out(self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int) -> Any:
+        """Queue ``host.copy_(source)`` on the side stream after current compute; return its event."""
+
+    def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
+        """Queue a copy of ``host`` into a new device tensor on the side stream; return it and its event."""
+
+    def copy_out_now(self, source: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy ``source`` into ``host`` on the compute stream, finished when this returns."""
+
+    def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
+        """Copy ``host`` into a new device tensor on the compute stream, finished when this returns."""
+
+    def wait(self, event: Any, measure: bool) -> Any:
+        """Make the compute stream wait on ``event``; return a timing token or None."""
+
+    def hand_to_compute(self, tensor: torch.Tensor) -> None:
+        """Mark a side-stream tensor as used by the compute stream (allocator lifetime)."""
+
+    def release_after_copies(self, tensor: torch.Tensor) -> None:
+        """Let ``tensor`` go once the side stream's queued work is done (allocator lifetime).
+
+        Called only when a checkpoint's graph dies while its copy may still run.
+        """
+
+    def is_complete(self, event: Any) -> bool:
+        """Return whether the work before ``event`` has finished, without blocking."""
+
+    def synchronize(self, event: Any) -> float:
+        """Block the host until ``event`` completes; return the seconds waited."""
+
+    def wait_seconds(self, token: Any, block: bool) -> float | None:
+        """Return the compute-stream stall a timing token measured, or None if not known yet."""
+
+
+class Transport(Protocol):
+    """Decides which tensors are device tensors and gives one channel per device."""
+
+    def channel_key(self, tensor: torch.Tensor) -> Hashable | None:
+        """Return the key of the channel that can offload ``tensor``, or None if it stays put."""
+
+    def channel(self, tensor: torch.Tensor) -> Channel:
+        """Return (creating once) the channel for ``tensor``'s device."""
+
+
+class _CudaChannel:
+    """A CUDA device's side stream and copy operations. See Note [Stream ordering]."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side_stream = compat.new_stream(device)
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        return compat.allocate_pinned(nbytes)
+
+    def allocate_pageable(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _after_compute(self, delay_cycles: int) -> None:
+        compute_done = compat.new_event(self.device)
+        compute_done.record(compat.current_stream(self.device))
+        self.side_stream.wait_event(compute_done)
+        compat.delay_stream(self.side_stream, delay_cycles)
+
+    def copy_out(self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int) -> Any:
+        self._after_compute(delay_cycles)
+        with compat.stream_context(self.side_stream):
+            host.copy_(source, non_blocking=True)
+            done = compat.new_event(self.device)
+            done.record(self.side_stream)
+        return done
+
+    def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
+        compat.delay_stream(self.side_stream, delay_cycles)
+        with compat.stream_context(self.side_stream):
+            target = torch.empty_strided(
+                host.size(), host.stride(), dtype=host.dtype, device=self.device
+            )
+            target.copy_(host, non_blocking=True)
+            done = compat.new_event(self.device)
+            done.record(self.side_stream)
+        return target, done
+
+    def copy_out_now(self, source: torch.Tensor, host: torch.Tensor) -> None:
+        host.copy_(source, non_blocking=False)
+
+    def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
+        target = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=self.device)
+        target.copy_(host, non_blocking=False)
+        return target
+
+    def wait(self, event: Any, measure: bool) -> Any:
+        compute = compat.current_stream(self.device)
+        if not measure or event.query():
+            compute.wait_event(event)
+            return None
+        before = compat.new_event(self.device, enable_timing=True)
+        after = compat.new_event(self.device, enable_timing=True)
+        before.record(compute)
+        compute.wait_event(event)
+        after.record(compute)
+        return (before, after)
+
+    def hand_to_compute(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(compat.current_stream(self.device))
+
+    def release_after_copies(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(self.side_stream)
+
+    def is_complete(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def synchronize(self, event: Any) -> float:
+        if event.query():
+            return 0.0
+        start = time.perf_counter()
+        event.synchronize()
+        return time.perf_counter() - start
+
+    def wait_seconds(self, token: Any, block: bool) -> float | None:
+        before, after = token
+        if not after.query():
+            if not block:
+                return None
+            after.synchronize()
+        return float(before.elapsed_time(after)) / 1000.0
+
+
+class CudaTransport:
+    """The real transport: CUDA tensors go to pinned host memory on a per-device side stream."""
+
+    def __init__(self) -> None:
+        self._channels: dict[int, _CudaChannel] = {}
+
+    def channel_key(self, tensor: torch.Tensor) -> Hashable | None:
+        if tensor.device.type != "cuda":
+            return None
+        return ("cuda", tensor.device.index)
+
+    def channel(self, tensor: torch.Tensor) -> Channel:
+        index = tensor.device.index
+        assert index is not None
+        channel = self._channels.get(index)
+        if channel is None:
+            channel = self._channels.setdefault(index, _CudaChannel(tensor.device))
+        return channel

@@ -1,0 +1,236 @@
+"""A transport that runs matepoint's offload bookkeeping on the CPU, for tests without a GPU.
+
+It treats CPU tensors as "device" tensors and copies them into separate host buffers, but it
+completes each copy only at an explicit sync point: when the engine makes compute wait on the
+copy's event, blocks on it, or (if asked) polls it. Until then the destination holds poison, so an
+engine that reads a copy before ordering on it produces wrong numbers, and a copy whose source the
+engine let go too early fails loudly. That is how CI tests the ordering that streams enforce on a
+GPU (see Note [Stream ordering] in ``matepoint._transport``).
+
+Example:
+    >>> import torch, matepoint
+    >>> from matepoint.testing import CPUTestTransport, use_transport
+    >>> with use_transport(CPUTestTransport()):
+    ...     x = torch.randn(512, 512, requires_grad=True)
+    ...     y = matepoint.checkpoint(torch.sin, x)
+    ...     y.sum().backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, Literal
+
+import torch
+
+from matepoint._engine import set_transport, transport
+from matepoint._transport import Channel, Transport
+
+__all__ = ["CPUTestTransport", "CopyReadFreedMemory", "use_transport"]
+
+POISON_BYTE = 0xFF
+"""Every byte of a copy's destination before the copy completes (NaN for floating dtypes)."""
+
+
+class CopyReadFreedMemory(AssertionError):
+    """A deferred copy ran after the engine had released its source: a lifetime bug."""
+
+
+class _FakeEvent:
+    def __init__(self, stream: _FakeStream) -> None:
+        self.stream = stream
+        self.done = False
+
+
+class _FakeStream:
+    """A FIFO of deferred copies, standing in for the side stream."""
+
+    def __init__(self) -> None:
+        self.pending: deque[tuple[Callable[[], None], _FakeEvent]] = deque()
+        self.lock = threading.Lock()
+
+    def enqueue(self, operation: Callable[[], None]) -> _FakeEvent:
+        event = _FakeEvent(self)
+        with self.lock:
+            self.pending.append((operation, event))
+        return event
+
+    def run_until(self, event: _FakeEvent) -> None:
+        while not event.done:
+            with self.lock:
+                if not self.pending:
+                    raise AssertionError("event was never queued on this stream")
+                operation, queued = self.pending.popleft()
+            operation()
+            queued.done = True
+
+
+def _poison(tensor: torch.Tensor) -> None:
+    tensor.view(torch.uint8).fill_(POISON_BYTE) if tensor.is_contiguous() else tensor.fill_(
+        float("nan") if tensor.is_floating_point() or tensor.is_complex() else -1
+    )
+
+
+class _CPUTestChannel:
+    def __init__(self, owner: CPUTestTransport) -> None:
+        self.device = torch.device("cpu")
+        self.owner = owner
+        self.side = _FakeStream()
+        self.kept_alive: list[tuple[torch.Tensor, _FakeEvent]] = []
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        if self.owner.pinned_limit_bytes is not None:
+            if self.owner.pinned_bytes + nbytes > self.owner.pinned_limit_bytes:
+                raise RuntimeError("CUDA error: out of memory (simulated pinned host allocation)")
+        self.owner.pinned_bytes += nbytes
+        block = torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8)
+        self.owner.host_buffers.add(block.data_ptr())
+        return block
+
+    def allocate_pageable(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8)
+
+    def copy_out(self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int) -> Any:
+        self.owner.copies_out += 1
+        source_ref = weakref.ref(source)
+        snapshot_version = source._version
+
+        def run() -> None:
+            alive = source_ref()
+            if alive is None:
+                raise CopyReadFreedMemory(
+                    "a copy to the host ran after its device source was released"
+                )
+            if alive._version != snapshot_version:
+                # A real stream would read the modified bytes: poison makes that visible.
+                _poison(host)
+                return
+            host.copy_(alive)
+
+        return self._maybe_run(self.side.enqueue(run))
+
+    def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
+        self.owner.copies_in += 1
+        target = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype)
+        _poison(target)
+
+        def run() -> None:
+            target.copy_(host)
+
+        return target, self._maybe_run(self.side.enqueue(run))
+
+    def _maybe_run(self, event: _FakeEvent) -> _FakeEvent:
+        if self.owner.completion == "immediate":
+            self.side.run_until(event)
+        return event
+
+    def copy_out_now(self, source: torch.Tensor, host: torch.Tensor) -> None:
+        self.owner.copies_out += 1
+        host.copy_(source)
+
+    def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
+        self.owner.copies_in += 1
+        return host.clone()
+
+    def wait(self, event: Any, measure: bool) -> Any:
+        self.side.run_until(event)
+        self._prune()
+        return None
+
+    def hand_to_compute(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def release_after_copies(self, tensor: torch.Tensor) -> None:
+        # Stands in for record_stream: the allocator keeps the memory until queued copies finish.
+        with self.side.lock:
+            last = self.side.pending[-1][1] if self.side.pending else None
+        if last is not None:
+            self.kept_alive.append((tensor, last))
+
+    def is_complete(self, event: Any) -> bool:
+        if not event.done and self.owner.completion == "on_query":
+            self.side.run_until(event)
+        self._prune()
+        return bool(event.done)
+
+    def synchronize(self, event: Any) -> float:
+        self.side.run_until(event)
+        self._prune()
+        return 0.0
+
+    def wait_seconds(self, token: Any, block: bool) -> float | None:
+        return 0.0
+
+    def _prune(self) -> None:
+        self.kept_alive = [(t, e) for t, e in self.kept_alive if not e.done]
+
+
+class CPUTestTransport:
+    """Treat CPU tensors as device tensors and defer every copy to an explicit sync point.
+
+    Args:
+        completion: When deferred copies run. ``"deferred"`` (default): only when the engine
+            waits on or blocks for the copy's event; polling never completes it, as with a slow
+            link. ``"on_query"``: polling completes it too, as with a fast link. ``"immediate"``:
+            at once (no deferral).
+        pinned_limit_bytes: Simulated page-locked memory limit: allocating past it raises the
+            RuntimeError a real out-of-memory would, to exercise the exhaustion policy.
+
+    Attributes:
+        copies_out: Copies to the host queued so far.
+        copies_in: Copies back queued so far.
+        pinned_bytes: Simulated pinned bytes allocated so far (never decreases).
+    """
+
+    def __init__(
+        self,
+        completion: Literal["deferred", "on_query", "immediate"] = "deferred",
+        pinned_limit_bytes: int | None = None,
+    ) -> None:
+        if completion not in ("deferred", "on_query", "immediate"):
+            raise ValueError(f"unknown completion mode {completion!r}")
+        self.completion = completion
+        self.pinned_limit_bytes = pinned_limit_bytes
+        self.copies_out = 0
+        self.copies_in = 0
+        self.pinned_bytes = 0
+        self.host_buffers: set[int] = set()
+        self._channel = _CPUTestChannel(self)
+
+    def channel_key(self, tensor: torch.Tensor) -> Hashable | None:
+        if tensor.device.type != "cpu":
+            return None
+        return ("cpu-test", id(self))
+
+    def channel(self, tensor: torch.Tensor) -> Channel:
+        return self._channel
+
+    def drain(self) -> None:
+        """Complete every queued copy (what a device synchronize would do)."""
+        with self._channel.side.lock:
+            last = self._channel.side.pending[-1][1] if self._channel.side.pending else None
+        if last is not None:
+            self._channel.side.run_until(last)
+        self._channel._prune()
+
+
+@contextlib.contextmanager
+def use_transport(new_transport: Transport) -> Iterator[Transport]:
+    """Route every offload in this process through ``new_transport`` inside a ``with`` block.
+
+    Args:
+        new_transport: A transport, usually a :class:`CPUTestTransport`.
+
+    Yields:
+        The transport.
+    """
+    previous = transport()
+    set_transport(new_transport)
+    try:
+        yield new_transport
+    finally:
+        set_transport(previous)
