@@ -1,0 +1,29 @@
+"""Runnable examples for matepoint: models, the strategy registry, the demo and the benchmark.
+
+Public: :mod:`matepoint_examples.models`, :mod:`matepoint_examples.strategies`, and the console
+scripts ``matepoint-demo`` (:func:`matepoint_examples.demo.main`) and ``matepoint-bench``
+(:func:`matepoint_examples.bench.main`).
+"""
+
+from matepoint_examples.models import (
+    CheckpointFn,
+    DeepLatentConfig,
+    DeepLatentStack,
+    GPTConfig,
+    NanoGPT,
+    no_checkpoint,
+)
+from matepoint_examples.strategies import STRATEGIES, Strategy, get_strategy, strategy_names
+
+__all__ = [
+    "STRATEGIES",
+    "CheckpointFn",
+    "DeepLatentConfig",
+    "DeepLatentStack",
+    "GPTConfig",
+    "NanoGPT",
+    "Strategy",
+    "get_strategy",
+    "no_checkpoint",
+    "strategy_names",
+]

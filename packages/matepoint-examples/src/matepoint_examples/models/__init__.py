@@ -1,0 +1,20 @@
+"""Example models for matepoint: a deep latent stack and a nanochat-style GPT.
+
+Both run every block through a ``checkpoint_fn`` argument, so one model definition serves the
+no-checkpoint baseline, ``torch.utils.checkpoint``, matepoint and the offloading peers.
+"""
+
+from matepoint_examples.models._common import CheckpointFn, no_checkpoint
+from matepoint_examples.models._gpt import GPTBlock, GPTConfig, NanoGPT
+from matepoint_examples.models._latent import DeepLatentConfig, DeepLatentStack, LatentBlock
+
+__all__ = [
+    "CheckpointFn",
+    "DeepLatentConfig",
+    "DeepLatentStack",
+    "GPTBlock",
+    "GPTConfig",
+    "LatentBlock",
+    "NanoGPT",
+    "no_checkpoint",
+]

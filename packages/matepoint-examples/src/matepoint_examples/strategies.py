@@ -1,0 +1,187 @@
+"""The registry of ways to run the example models: no checkpoint, torch's, matepoint's and peers.
+
+A :class:`Strategy` is everything that differs between the compared runs: the ``checkpoint_fn``
+each block goes through, a context entered around each forward (peers that offload through
+saved-tensor hooks), and a session entered once around a whole run (matepoint on a CPU, where a
+test transport makes CPU tensors count as device tensors so the offload path really runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import Tensor
+
+import matepoint
+from matepoint_examples.models import CheckpointFn, no_checkpoint
+
+__all__ = ["STRATEGIES", "Strategy", "get_strategy", "strategy_names"]
+
+
+def _torch_checkpoint(function: Callable[..., Tensor], /, *args: Tensor) -> Any:
+    """Run ``function`` under ``torch.utils.checkpoint.checkpoint`` (non-reentrant)."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+
+def _matepoint_checkpoint(function: Callable[..., Tensor], /, *args: Tensor) -> Any:
+    """Run ``function`` under ``matepoint.checkpoint`` with the side-stream pipeline."""
+    return matepoint.checkpoint(function, *args, use_reentrant=False, pipeline=True)
+
+
+def _matepoint_checkpoint_nopipeline(function: Callable[..., Tensor], /, *args: Tensor) -> Any:
+    """Run ``function`` under ``matepoint.checkpoint`` with synchronous copies."""
+    return matepoint.checkpoint(function, *args, use_reentrant=False, pipeline=False)
+
+
+def _nothing() -> AbstractContextManager[object]:
+    """Return a context that does nothing (strategies without a per-forward context)."""
+    return contextlib.nullcontext()
+
+
+def _no_session(device: torch.device) -> AbstractContextManager[object]:
+    """Return a context that does nothing (strategies without a per-run session)."""
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _matepoint_session(device: torch.device) -> Iterator[None]:
+    """Make matepoint really offload for the duration of a run, whatever the device.
+
+    On an accelerator matepoint's own transport is used and nothing changes. On a CPU there is
+    no device memory to free, so matepoint would skip every tensor; the test transport makes CPU
+    tensors count as device tensors, and the minimum size is dropped so the small CPU
+    configurations offload every block input.
+    """
+    if device.type != "cpu":
+        yield
+        return
+    from matepoint.testing import CPUTestTransport, use_transport
+
+    with use_transport(CPUTestTransport()), matepoint.options(min_offload_bytes=0):
+        yield
+
+
+def _save_on_cpu() -> AbstractContextManager[object]:
+    """Return torch's ``save_on_cpu(pin_memory=True)``, the built-in peer."""
+    return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+
+def _torchtune_offload() -> AbstractContextManager[object]:
+    """Return torchtune's ``OffloadActivations`` with its streams on, the strongest peer."""
+    from torchtune.training import OffloadActivations  # type: ignore[import-not-found,unused-ignore]
+
+    ctx: AbstractContextManager[object] = OffloadActivations(use_streams=True)
+    return ctx
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way of running a model, as compared by the demo and the benchmark.
+
+    Args:
+        name: Registry key, e.g. ``"matepoint"``.
+        summary: One line for tables and ``--help``.
+        checkpoint_fn: Passed to the model; runs each block.
+        forward_context: Factory of a context entered around each forward pass.
+        session: Factory of a context entered once around a whole run, given the device.
+        uses_matepoint: Whether matepoint's statistics mean anything for this strategy.
+        requires: Modules that must be importable, e.g. ``("torchtune",)``.
+        needs_cuda: Whether the strategy only runs on a CUDA device.
+    """
+
+    name: str
+    summary: str
+    checkpoint_fn: CheckpointFn
+    forward_context: Callable[[], AbstractContextManager[object]] = _nothing
+    session: Callable[[torch.device], AbstractContextManager[object]] = _no_session
+    uses_matepoint: bool = False
+    requires: tuple[str, ...] = field(default=())
+    needs_cuda: bool = False
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """Say why the strategy cannot run on ``device``, or ``None`` if it can.
+
+        Args:
+            device: The device the run would use.
+
+        Returns:
+            A short reason (used as the "skipped" note), or ``None``.
+        """
+        for module in self.requires:
+            if importlib.util.find_spec(module) is None:
+                return f"{module} is not installed (pip install {module})"
+        if self.needs_cuda and device.type != "cuda":
+            return "needs a CUDA device"
+        return None
+
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("none", "no checkpoint: every activation stays on the device", no_checkpoint),
+        Strategy("torch", "torch.utils.checkpoint around each block", _torch_checkpoint),
+        Strategy(
+            "save_on_cpu",
+            "torch save_on_cpu(pin_memory=True) around torch-checkpointed blocks",
+            _torch_checkpoint,
+            forward_context=_save_on_cpu,
+        ),
+        Strategy(
+            "torchtune",
+            "torchtune OffloadActivations around torch-checkpointed blocks",
+            _torch_checkpoint,
+            forward_context=_torchtune_offload,
+            requires=("torchtune",),
+            needs_cuda=True,
+        ),
+        Strategy(
+            "matepoint",
+            "matepoint.checkpoint, copies pipelined on a side stream",
+            _matepoint_checkpoint,
+            session=_matepoint_session,
+            uses_matepoint=True,
+        ),
+        Strategy(
+            "matepoint-nopipeline",
+            "matepoint.checkpoint(pipeline=False), synchronous copies",
+            _matepoint_checkpoint_nopipeline,
+            session=_matepoint_session,
+            uses_matepoint=True,
+        ),
+    )
+}
+"""Every strategy by name, in the order tables show them."""
+
+
+def strategy_names() -> list[str]:
+    """Return the registered strategy names in table order.
+
+    Returns:
+        The names.
+    """
+    return list(STRATEGIES)
+
+
+def get_strategy(name: str) -> Strategy:
+    """Look a strategy up by name.
+
+    Args:
+        name: A key of :data:`STRATEGIES`.
+
+    Returns:
+        The strategy.
+
+    Raises:
+        KeyError: If there is no such strategy; the message lists the known names.
+    """
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise KeyError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}") from None

@@ -1,0 +1,135 @@
+"""Tests for matepoint_examples.bench: the worker's JSON and a tiny end-to-end run on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from matepoint_examples import bench
+from matepoint_examples._workloads import WORKLOADS, build, get_workload
+from matepoint_examples.models import no_checkpoint
+
+TINY = ["--depth", "2", "--width", "32", "--heads", "2", "--batch", "1", "--tokens", "16"]
+
+
+def _worker_json(capsys: pytest.CaptureFixture[str], args: list[str]) -> dict[str, Any]:
+    assert bench.main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def test_workload_registry_matches_design() -> None:
+    deep96 = get_workload("deep96")
+    shape = (deep96.depth, deep96.width, deep96.batch, deep96.tokens, deep96.dtype)
+    assert shape == (96, 1536, 8, 4096, "bf16")
+    assert deep96.block_input_bytes() == 96 << 20
+    assert get_workload("deep192").depth == 192
+    gpt = get_workload("gpt12")
+    shape_gpt = (gpt.kind, gpt.depth, gpt.width, gpt.vocab_size, gpt.tokens)
+    assert shape_gpt == ("gpt", 12, 768, 65536, 2048)
+    assert set(WORKLOADS) >= {"deep96", "deep48", "light48", "deep192", "gpt12", "cpu-small"}
+    with pytest.raises(KeyError):
+        get_workload("nope")
+
+
+@pytest.mark.parametrize("name", ["cpu-small", "gpt12"])
+def test_build_tiny_workloads(name: str) -> None:
+    w = get_workload(name).with_overrides(
+        depth=1, width=32, heads=2, batch=1, tokens=8, vocab_size=32, head_dim=16
+    )
+    built = build(w, no_checkpoint, torch.device("cpu"))
+    loss = built.loss()
+    loss.backward()
+    assert loss.ndim == 0
+    assert len(built.blocks) == 1
+
+
+@pytest.mark.parametrize("strategy", ["matepoint", "torchtune"])
+def test_worker_train_json(capsys: pytest.CaptureFixture[str], strategy: str) -> None:
+    args = [
+        "--worker",
+        "train",
+        "--workload",
+        "cpu-small",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    ]
+    result = _worker_json(capsys, [*args, "--strategy", strategy, *TINY])
+    assert result["workload"] == "cpu-small"
+    assert result["strategy"] == strategy
+    if strategy == "torchtune":
+        assert result["status"] == "skipped"
+        assert result["note"]
+        return
+    assert result["status"] == "ok", result
+    assert result["depth"] == 2
+    assert len(result["step_times_s"]) == 2
+    assert result["step_time_s"] > 0
+    assert result["held_after_forward_bytes"] is None  # no device memory counter on CPU
+    assert result["bytes_offloaded"] > 0
+    assert "bytes_fetched" in result["matepoint_stats"]
+
+
+def test_worker_transfer_json(capsys: pytest.CaptureFixture[str]) -> None:
+    result = _worker_json(capsys, ["--worker", "transfer", "--device", "cpu", "--quick"])
+    assert result["mode"] == "transfer"
+    assert result["status"] == "ok", result
+    assert result["raw_d2h_gbps"] > 0
+    assert result["matepoint_offload_gbps"] > 0
+
+
+def test_unknown_workload_is_an_argument_error() -> None:
+    assert bench.main(["--device", "cpu", "--workloads", "nope", "--out", "unused"]) == 2
+
+
+def test_end_to_end_subprocesses(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    rc = bench.main(
+        ["--device", "cpu", "--mode", "train", "--strategies", "torch,matepoint", "--steps", "1",
+         "--warmup", "0", "--out", str(out), *TINY]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    rows = {r["strategy"]: r for r in data["train"]}
+    assert set(rows) == {"torch", "matepoint"}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert rows["torch"]["ratio_to_torch"] == 1.0
+    assert (out / "results.md").read_text().count("cpu-small") == 2
+    assert (out / "step_time_ratio.png").stat().st_size > 0
+    assert (out / "memory_vs_depth.png").stat().st_size > 0
+
+
+@pytest.mark.gpu
+def test_worker_on_cuda_holds_less_than_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    held = {}
+    for strategy in ("torch", "matepoint"):
+        args = [
+            "--worker",
+            "train",
+            "--workload",
+            "deep48",
+            "--device",
+            "cuda",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--depth",
+            "8",
+        ]
+        result = _worker_json(
+            capsys, [*args, "--depth", "8", "--batch", "1", "--strategy", strategy]
+        )
+        assert result["status"] == "ok", result
+        assert result["timeline"]
+        held[strategy] = result["held_after_forward_bytes"]
+    assert held["matepoint"] < held["torch"]

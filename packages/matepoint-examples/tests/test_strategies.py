@@ -1,0 +1,66 @@
+"""Tests for matepoint_examples.strategies: the registry and each CPU-runnable strategy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from matepoint_examples.models import DeepLatentConfig, DeepLatentStack
+from matepoint_examples.strategies import STRATEGIES, Strategy, get_strategy, strategy_names
+
+CPU = torch.device("cpu")
+TINY = DeepLatentConfig(depth=2, width=32, heads=2, batch=2, tokens=8)
+
+
+def _grads(strategy: Strategy) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = DeepLatentStack(TINY, checkpoint_fn=strategy.checkpoint_fn)
+    x = model.example_input()
+    with strategy.session(CPU):
+        with strategy.forward_context():
+            loss = model(x).square().mean()
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_registry_names_and_order() -> None:
+    assert strategy_names() == [
+        "none",
+        "torch",
+        "save_on_cpu",
+        "torchtune",
+        "matepoint",
+        "matepoint-nopipeline",
+    ]
+    assert all(STRATEGIES[n].name == n for n in STRATEGIES)
+    uses = {n for n, s in STRATEGIES.items() if s.uses_matepoint}
+    assert uses == {"matepoint", "matepoint-nopipeline"}
+
+
+def test_unknown_strategy_lists_known_names() -> None:
+    with pytest.raises(KeyError, match="matepoint-nopipeline"):
+        get_strategy("nope")
+
+
+def test_torchtune_needs_cuda_or_package() -> None:
+    reason = get_strategy("torchtune").unavailable_reason(CPU)
+    assert reason is not None
+    assert "torchtune" in reason or "CUDA" in reason
+
+
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if n not in ("torch", "torchtune")])
+def test_strategy_gradients_equal_torch_checkpoint(name: str) -> None:
+    strategy = get_strategy(name)
+    assert strategy.unavailable_reason(CPU) is None
+    ref = _grads(get_strategy("torch"))
+    got = _grads(strategy)
+    assert len(ref) == len(got) == len(list(DeepLatentStack(TINY).parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+def test_matepoint_strategy_offloads_on_cpu() -> None:
+    import matepoint
+
+    matepoint.reset_stats()
+    _grads(get_strategy("matepoint"))
+    assert matepoint.stats().bytes_offloaded > 0
