@@ -84,9 +84,13 @@ def _flattened_call(
     leaves, spec = pytree.tree_flatten((args, function_kwargs))
     positions = [index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     tensors = tuple(leaves[index] for index in positions)
+    # torch keeps ``run`` until backward: it must not reference the tensors it is given, or
+    # their device memory could never be released after the offload.
+    template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    del leaves
 
     def run(*tensor_args: torch.Tensor) -> Any:
-        filled = list(leaves)
+        filled = list(template)
         for index, tensor in zip(positions, tensor_args, strict=True):
             filled[index] = tensor
         call_args, call_kwargs = pytree.tree_unflatten(filled, spec)

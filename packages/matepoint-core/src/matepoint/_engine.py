@@ -116,8 +116,10 @@ def pack(tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Reco
         else:
             _kept_counters.skipped_other += 1
         return _keep(tensor)
-    if tensor.numel() * tensor.element_size() < max(options.min_offload_bytes, 1):
-        _kept_counters.skipped_small += 1
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes < max(options.min_offload_bytes, 1):
+        if nbytes:  # torch 2.4-2.11's 0-element dummy is not a user tensor
+            _kept_counters.skipped_small += 1
         return _keep(tensor)
     active = transport()
     key = active.channel_key(tensor)
@@ -209,6 +211,8 @@ class ChannelEngine:
                 block.last_event = event
             else:
                 self.channel.copy_out_now(tensor, host)
+            # Settle older originals first: the newest is in use by the call now running.
+            self._release_held(options)
             reference = weakref.ref(record)
             self._records[record.sequence] = reference
             self._order.append(record.sequence)
@@ -216,7 +220,6 @@ class ChannelEngine:
             self._held.append(reference)
             self.counters.offloads += 1
             self.counters.bytes_offloaded += nbytes
-            self._release_held(options)
             return record
 
     def _release_held(self, options: OffloadOptions) -> None:

@@ -52,6 +52,7 @@ class _FakeStream:
     def __init__(self) -> None:
         self.pending: deque[tuple[Callable[[], None], _FakeEvent]] = deque()
         self.lock = threading.Lock()
+        self.drain_lock = threading.RLock()
 
     def enqueue(self, operation: Callable[[], None]) -> _FakeEvent:
         event = _FakeEvent(self)
@@ -60,13 +61,17 @@ class _FakeStream:
         return event
 
     def run_until(self, event: _FakeEvent) -> None:
-        while not event.done:
-            with self.lock:
-                if not self.pending:
-                    raise AssertionError("event was never queued on this stream")
-                operation, queued = self.pending.popleft()
-            operation()
-            queued.done = True
+        # One thread drains at a time: another thread's run_until may have popped ``event``'s
+        # copy and still be running it. Copies are not autograd operations (a stream copy is
+        # not recorded), whatever the grad mode of the thread that reaches the sync point.
+        with self.drain_lock, torch.no_grad():
+            while not event.done:
+                with self.lock:
+                    if not self.pending:
+                        raise AssertionError("event was never queued on this stream")
+                    operation, queued = self.pending.popleft()
+                operation()
+                queued.done = True
 
 
 def _poison(tensor: torch.Tensor) -> None:
