@@ -85,6 +85,10 @@ def test_worker_transfer_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["status"] == "ok", result
     assert result["raw_d2h_gbps"] > 0
     assert result["matepoint_offload_gbps"] > 0
+    # The chain's blocks save their inputs, so every offloaded byte comes back in backward
+    # (fetched, or served from the device original while its copy was still deferred).
+    stats = result["matepoint_stats"]
+    assert stats["bytes_fetched"] + stats["bytes_served_from_stash"] == stats["bytes_offloaded"]
 
 
 def test_unknown_workload_is_an_argument_error() -> None:
@@ -94,16 +98,19 @@ def test_unknown_workload_is_an_argument_error() -> None:
 def test_end_to_end_subprocesses(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     rc = bench.main(
-        ["--device", "cpu", "--mode", "train", "--strategies", "torch,matepoint", "--steps", "1",
+        ["--device", "cpu", "--mode", "train", "--strategies", "torch,torchtune", "--steps", "1",
          "--warmup", "0", "--out", str(out), *TINY]
     )  # fmt: skip
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     rows = {r["strategy"]: r for r in data["train"]}
-    assert set(rows) == {"torch", "matepoint"}
-    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert set(rows) == {"torch", "torchtune"}
+    assert rows["torch"]["status"] == "ok", rows
+    assert rows["torch"]["depth"] == 2  # the overrides reached the worker
     assert rows["torch"]["ratio_to_torch"] == 1.0
-    assert (out / "results.md").read_text().count("cpu-small") == 2
+    assert rows["torchtune"]["status"] == "skipped"
+    md_rows = (out / "results.md").read_text().count("| cpu-small |")
+    assert md_rows == 2
     assert (out / "step_time_ratio.png").stat().st_size > 0
     assert (out / "memory_vs_depth.png").stat().st_size > 0
 

@@ -38,6 +38,8 @@ def test_add_ratios() -> None:
     assert by[("deep48", "torch")] == 1.0
     assert abs(by[("deep96", "matepoint")] - 1.02) < 1e-9
     assert by[("deep96", "torchtune")] is None
+    mp = next(r for r in rows if r["strategy"] == "matepoint")
+    assert abs(mp["host_per_offloaded"] - 4.6 / 4.5) < 1e-9
 
 
 def test_markdown_and_json(tmp_path: Path) -> None:

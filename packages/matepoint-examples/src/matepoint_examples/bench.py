@@ -202,7 +202,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         task = progress.add_task("benchmark", total=len(jobs))
         for label, job in jobs:
             progress.update(task, description=label)
-            result = run_worker_subprocess([*job, *common], args.timeout)
+            reason = None if job[1] == "transfer" else STRATEGIES[job[5]].unavailable_reason(device)
+            if reason is not None:  # no need to start a process to learn that
+                result = {"mode": "train", "status": "skipped", "note": reason}
+                result["kind"] = get_workload(job[3]).kind
+            else:
+                result = run_worker_subprocess([*job, *common], args.timeout)
             if job[1] == "transfer":
                 transfer = result
             else:
