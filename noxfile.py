@@ -349,10 +349,12 @@ DOCS_ORDER = (
     ("Home", "index.md"),
     ("Quickstart", "quickstart.md"),
     ("API", "api.md"),
+    ("Configuration", "configuration.md"),
     ("How it works", "how-it-works.md"),
     ("Torch compatibility", "compat.md"),
     ("Benchmarks", "benchmarks.md"),
     ("Reliability", "reliability.md"),
+    ("FAQ", "faq.md"),
 )
 
 
