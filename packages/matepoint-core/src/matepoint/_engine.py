@@ -168,6 +168,8 @@ class ChannelEngine:
         self._by_key: dict[tuple[Any, ...], weakref.ref[Record]] = {}
         self._held: deque[weakref.ref[Record]] = deque()
         self._timings: deque[Any] = deque()
+        self._in_flight: deque[tuple[Any, int]] = deque()
+        self._in_flight_bytes = 0
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -223,30 +225,78 @@ class ChannelEngine:
             return record
 
     def _release_held(self, options: OffloadOptions) -> None:
-        """Drop device originals whose copy finished, keeping the newest ``stash_bytes``.
+        """Let go of device originals, keeping the newest ``stash_bytes`` of them.
 
-        Copies on the one side stream finish in order, so scanning from the oldest stops at the
-        first copy still running. If more than ``max_inflight_bytes`` are then still held beyond
-        the stash, the host waits for the oldest copies: memory stays bounded when compute
-        outruns the link.
+        An original whose copy has finished is dropped after a last version check. One whose
+        copy is still running is handed to the caching allocator (``record_stream`` on the side
+        stream, see Note [Stream ordering]) if matepoint held the last reference, so its memory is
+        reused as soon as the copy ends, without waiting for this host to notice. If something
+        else still references it, it could still be modified in place under the copy, so the
+        engine keeps watching it until the copy has finished and its version can be checked. The
+        host waits for the oldest copies only when more than ``max_inflight_bytes`` are still
+        being copied: that bounds device memory when compute outruns the link.
         """
-        held = [(ref, ref()) for ref in self._held]
-        alive = [(ref, record) for ref, record in held if record is not None and record.device_tensor is not None]
-        self._held = deque(ref for ref, _ in alive)
-        held_bytes = sum(record.nbytes for _, record in alive)
-        for _, record in alive:
+        self._poll_in_flight()
+        alive: list[Record] = []
+        for reference in self._held:
+            record = reference()
+            if record is not None and record.device_tensor is not None:
+                alive.append(record)
+        kept: deque[weakref.ref[Record]] = deque()
+        held_bytes = sum(record.nbytes for record in alive)
+        for record in alive:
             if held_bytes <= options.stash_bytes:
-                break
-            beyond_stash = held_bytes - options.stash_bytes
+                kept.append(weakref.ref(record))
+                continue
             event = record.copy_event
-            if event is not None and not self.channel.is_complete(event):
-                if beyond_stash <= options.max_inflight_bytes:
-                    break
-                self.counters.host_wait_seconds += self.channel.synchronize(event)
+            if event is None or self.channel.is_complete(event):
+                self._drop_original(record)
+                held_bytes -= record.nbytes
+            elif self._hand_to_allocator(record):
+                self._in_flight.append((event, record.nbytes))
+                self._in_flight_bytes += record.nbytes
+                held_bytes -= record.nbytes
+            else:
+                kept.append(weakref.ref(record))
+        self._held = kept
+        self._throttle(options)
+
+    def _hand_to_allocator(self, record: Record) -> bool:
+        """Release an original whose copy still runs if nothing else references it."""
+        tensor = record.device_tensor
+        assert tensor is not None
+        if tensor._version != record.version:
+            record.modified = True
+        self.channel.release_after_copies(tensor)
+        record.device_tensor = None
+        del tensor
+        survivor = record.original()
+        if survivor is not None:
+            # Referenced elsewhere: it may still be modified under the copy. Keep watching.
+            record.device_tensor = survivor
+            return False
+        return True
+
+    def _poll_in_flight(self) -> None:
+        while self._in_flight and self.channel.is_complete(self._in_flight[0][0]):
+            _, nbytes = self._in_flight.popleft()
+            self._in_flight_bytes -= nbytes
+
+    def _throttle(self, options: OffloadOptions) -> None:
+        while self._in_flight_bytes > options.max_inflight_bytes and self._in_flight:
+            event, nbytes = self._in_flight.popleft()
+            self._in_flight_bytes -= nbytes
+            self.counters.host_wait_seconds += self.channel.synchronize(event)
+            self.counters.throttled_waits += 1
+        watched = 0
+        for reference in list(self._held):
+            record = reference()
+            if record is None or record.device_tensor is None or record.copy_event is None:
+                continue
+            watched += record.nbytes
+            if watched > options.stash_bytes + options.max_inflight_bytes:
+                self.counters.host_wait_seconds += self.channel.synchronize(record.copy_event)
                 self.counters.throttled_waits += 1
-            self._drop_original(record)
-            self._held.popleft()
-            held_bytes -= record.nbytes
 
     def _drop_original(self, record: Record) -> None:
         tensor = record.device_tensor
@@ -256,7 +306,6 @@ class ChannelEngine:
             # either version, so backward must raise as torch would.
             record.modified = True
         record.copy_event = None
-        record.block.last_event = record.prefetch_event
         use_count = _storage_use_count(tensor)
         del tensor
         record.device_tensor = None
