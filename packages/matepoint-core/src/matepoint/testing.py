@@ -80,12 +80,25 @@ def _poison(tensor: torch.Tensor) -> None:
     )
 
 
+class _QueuedRead:
+    """A queued copy's claim on its source's memory once the source tensor itself is let go."""
+
+    __slots__ = ("memory",)
+
+    def __init__(self) -> None:
+        self.memory: torch.Tensor | None = None
+
+
 class _CPUTestChannel:
     def __init__(self, owner: CPUTestTransport) -> None:
         self.device = torch.device("cpu")
         self.owner = owner
         self.side = _FakeStream()
         self.kept_alive: list[tuple[torch.Tensor, _FakeEvent]] = []
+        # Queued copies by source, for release_after_copies (weak keys: no tensor kept alive).
+        self.queued_reads: weakref.WeakKeyDictionary[Any, list[_QueuedRead]] = (
+            torch.utils.weak.WeakTensorKeyDictionary()  # type: ignore[assignment]
+        )
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         if self.owner.pinned_limit_bytes is not None:
@@ -103,9 +116,15 @@ class _CPUTestChannel:
         self.owner.copies_out += 1
         source_ref = weakref.ref(source)
         snapshot_version = source._version
+        read = _QueuedRead()
+        reads = self.queued_reads.setdefault(source, [])
+        reads.append(read)
 
         def run() -> None:
+            reads.remove(read)
             alive = source_ref()
+            if alive is None:
+                alive = read.memory
             if alive is None:
                 raise CopyReadFreedMemory(
                     "a copy to the host ran after its device source was released"
@@ -151,10 +170,14 @@ class _CPUTestChannel:
 
     def release_after_copies(self, tensor: torch.Tensor) -> None:
         # Stands in for record_stream: the allocator keeps the memory until queued copies finish.
-        with self.side.lock:
-            last = self.side.pending[-1][1] if self.side.pending else None
-        if last is not None:
-            self.kept_alive.append((tensor, last))
+        # It keeps the memory only (a detached alias), never the tensor: the tensor would keep
+        # its autograd graph, and the records in it, alive.
+        for read in self.queued_reads.get(tensor, ()):
+            read.memory = tensor.detach()
+
+    def recycle(self, event: Any) -> None:
+        # Fake events are never reused, so a stale reference stays "done" forever.
+        pass
 
     def is_complete(self, event: Any) -> bool:
         if not event.done and self.owner.completion == "on_query":

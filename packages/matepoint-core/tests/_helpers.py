@@ -1,0 +1,125 @@
+"""Fixtures and small models shared by the engine tests (imported by the test modules).
+
+The tests run matepoint's engine on the CPU through :class:`matepoint.testing.CPUTestTransport`,
+which treats CPU tensors as device tensors and defers every copy to an explicit sync point.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+import matepoint
+from matepoint import _engine
+from matepoint.testing import CPUTestTransport, use_transport
+
+WIDTH = 16
+
+
+def engine_of(transport: CPUTestTransport) -> _engine.ChannelEngine:
+    """Return the engine that offloads through ``transport`` (after at least one offload)."""
+    engine = _engine._engines.get(("cpu-test", id(transport)))
+    assert engine is not None, "nothing was offloaded through this transport"
+    return engine
+
+
+def settle() -> matepoint.OffloadStats:
+    """Collect garbage and return fresh stats."""
+    gc.collect()
+    return matepoint.stats()
+
+
+def assert_nothing_leaked() -> None:
+    """No offloaded tensor is alive and no pinned block is in use, on any engine."""
+    snapshot = settle()
+    assert snapshot.live_records == 0
+    assert snapshot.pool_in_use_bytes == 0
+    assert snapshot.device_bytes_held == 0
+
+
+@pytest.fixture
+def fresh_stats() -> None:
+    """Start from zeroed counters and empty idle pools (conftest has collected garbage)."""
+    matepoint.release_pool()
+    matepoint.reset_stats()
+
+
+@pytest.fixture
+def transport(fresh_stats: None) -> Iterator[CPUTestTransport]:
+    """A deferred-completion CPU test transport, with every tensor big enough to offload."""
+    test_transport = CPUTestTransport()
+    with use_transport(test_transport), matepoint.options(min_offload_bytes=0):
+        yield test_transport
+    test_transport.drain()
+
+
+@pytest.fixture
+def fast_transport(fresh_stats: None) -> Iterator[CPUTestTransport]:
+    """A transport whose copies complete when polled (a fast link): originals are released."""
+    test_transport = CPUTestTransport(completion="on_query")
+    with use_transport(test_transport), matepoint.options(min_offload_bytes=0):
+        yield test_transport
+    test_transport.drain()
+
+
+class Stack(torch.nn.Module):
+    """``depth`` small tanh-MLP blocks; ``forward`` checkpoints each with ``checkpoint_fn``."""
+
+    def __init__(self, depth: int = 4, width: int = WIDTH, seed: int = 0) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(depth):
+            layer = torch.nn.Linear(width, width)
+            with torch.no_grad():
+                layer.weight.copy_(torch.randn(width, width, generator=generator) / width**0.5)
+                layer.bias.copy_(torch.randn(width, generator=generator) * 0.1)
+            self.blocks.append(layer)
+
+    def forward(
+        self, x: torch.Tensor, checkpoint_fn: Callable[..., Any] | None = None
+    ) -> torch.Tensor:
+        # x * 1 gives the first checkpoint an input that dies with the graph, like an activation.
+        h = x * 1
+        for block in self.blocks:
+            h = _block(block, h) if checkpoint_fn is None else checkpoint_fn(_block, block, h)
+        return h
+
+
+def _block(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(layer(h)) + h
+
+
+def torch_ckpt(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """torch's own non-reentrant checkpoint, the reference."""
+    return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def mate_ckpt(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return matepoint.checkpoint(function, *args, **kwargs)
+
+
+def grads_of(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    checkpoint_fn: Callable[..., Any] | None,
+) -> list[torch.Tensor]:
+    """One forward and backward; return the gradients of the input and every parameter."""
+    model.zero_grad(set_to_none=True)
+    leaf = x.detach().clone().requires_grad_(True)
+    out = model(leaf, checkpoint_fn)
+    out.square().sum().backward()
+    assert leaf.grad is not None
+    return [leaf.grad.clone()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def assert_grads_equal(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected, strict=True):
+        assert not torch.isnan(got).any(), "NaN in a gradient: a copy was read before it completed"
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
