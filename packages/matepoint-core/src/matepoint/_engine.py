@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from matepoint._options import OffloadOptions
-from matepoint._pool import HostBlock, PinnedPool
+from matepoint._pool import PinnedPool
 from matepoint._records import KeptTensor, Record, inplace_error
 from matepoint._stats import Counters
 from matepoint._transport import Channel, CudaTransport, Transport
@@ -168,7 +168,7 @@ class ChannelEngine:
         self._by_key: dict[tuple[Any, ...], weakref.ref[Record]] = {}
         self._held: deque[weakref.ref[Record]] = deque()
         self._timings: deque[Any] = deque()
-        self._in_flight: deque[tuple[Any, int, HostBlock]] = deque()
+        self._in_flight: deque[tuple[Any, int]] = deque()
         self._in_flight_bytes = 0
 
     # -- forward ---------------------------------------------------------------------------
@@ -253,8 +253,7 @@ class ChannelEngine:
                 self._drop_original(record)
                 held_bytes -= record.nbytes
             elif self._hand_to_allocator(record):
-                record.copy_event = None
-                self._in_flight.append((event, record.nbytes, record.block))
+                self._in_flight.append((event, record.nbytes))
                 self._in_flight_bytes += record.nbytes
                 held_bytes -= record.nbytes
             else:
@@ -280,23 +279,15 @@ class ChannelEngine:
 
     def _poll_in_flight(self) -> None:
         while self._in_flight and self.channel.is_complete(self._in_flight[0][0]):
-            event, nbytes, block = self._in_flight.popleft()
+            _, nbytes = self._in_flight.popleft()
             self._in_flight_bytes -= nbytes
-            self._retire_copy_event(event, block)
-
-    def _retire_copy_event(self, event: Any, block: HostBlock) -> None:
-        """Forget a completed copy-out event and hand it back to the channel for reuse."""
-        if block.last_event is event:
-            block.last_event = None
-        self.channel.recycle(event)
 
     def _throttle(self, options: OffloadOptions) -> None:
         while self._in_flight_bytes > options.max_inflight_bytes and self._in_flight:
-            event, nbytes, block = self._in_flight.popleft()
+            event, nbytes = self._in_flight.popleft()
             self._in_flight_bytes -= nbytes
             self.counters.host_wait_seconds += self.channel.synchronize(event)
             self.counters.throttled_waits += 1
-            self._retire_copy_event(event, block)
         watched = 0
         for reference in list(self._held):
             record = reference()
@@ -314,9 +305,7 @@ class ChannelEngine:
             # The original changed before we knew its copy had finished: the host copy may hold
             # either version, so backward must raise as torch would.
             record.modified = True
-        if record.copy_event is not None:
-            self._retire_copy_event(record.copy_event, record.block)
-            record.copy_event = None
+        record.copy_event = None
         use_count = _storage_use_count(tensor)
         del tensor
         record.device_tensor = None

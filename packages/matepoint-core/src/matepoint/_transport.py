@@ -36,8 +36,6 @@ import matepoint_compat as compat
 
 __all__ = ["Channel", "CudaTransport", "Transport"]
 
-_SPARE_EVENTS = 256
-
 
 class Channel(Protocol):
     """One device's copy machinery: its side stream, events and host allocation."""
@@ -74,9 +72,6 @@ class Channel(Protocol):
         Called only when a checkpoint's graph dies while its copy may still run.
         """
 
-    def recycle(self, event: Any) -> None:
-        """Take back an event of a copy out that has completed and is referenced nowhere else."""
-
     def is_complete(self, event: Any) -> bool:
         """Return whether the work before ``event`` has finished, without blocking."""
 
@@ -103,10 +98,6 @@ class _CudaChannel:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.side_stream = compat.new_stream(device)
-        self._module = compat.device_module(device)
-        # Re-recorded at every copy out: a wait captures the event's state when it is issued.
-        self._compute_done = compat.new_event(device)
-        self._spare_events: list[Any] = []
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         return compat.allocate_pinned(nbytes)
@@ -114,30 +105,23 @@ class _CudaChannel:
     def allocate_pageable(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def _event(self) -> Any:
-        # Creating and destroying an event is a driver call each; the engine hands back events
-        # it knows have completed and are referenced nowhere else.
-        return self._spare_events.pop() if self._spare_events else compat.new_event(self.device)
-
-    def recycle(self, event: Any) -> None:
-        if len(self._spare_events) < _SPARE_EVENTS:
-            self._spare_events.append(event)
+    def _after_compute(self, delay_cycles: int) -> None:
+        compute_done = compat.new_event(self.device)
+        compute_done.record(compat.current_stream(self.device))
+        self.side_stream.wait_event(compute_done)
+        compat.delay_stream(self.side_stream, delay_cycles)
 
     def copy_out(self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int) -> Any:
-        self._compute_done.record(self._module.current_stream(self.device))
-        self.side_stream.wait_event(self._compute_done)
-        if delay_cycles:
-            compat.delay_stream(self.side_stream, delay_cycles)
-        with self._module.stream(self.side_stream):
+        self._after_compute(delay_cycles)
+        with compat.stream_context(self.side_stream):
             host.copy_(source, non_blocking=True)
-            done = self._event()
+            done = compat.new_event(self.device)
             done.record(self.side_stream)
         return done
 
     def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
-        if delay_cycles:
-            compat.delay_stream(self.side_stream, delay_cycles)
-        with self._module.stream(self.side_stream):
+        compat.delay_stream(self.side_stream, delay_cycles)
+        with compat.stream_context(self.side_stream):
             target = torch.empty_strided(
                 host.size(), host.stride(), dtype=host.dtype, device=self.device
             )

@@ -175,10 +175,6 @@ class _CPUTestChannel:
         for read in self.queued_reads.get(tensor, ()):
             read.memory = tensor.detach()
 
-    def recycle(self, event: Any) -> None:
-        # Fake events are never reused, so a stale reference stays "done" forever.
-        pass
-
     def is_complete(self, event: Any) -> bool:
         if not event.done and self.owner.completion == "on_query":
             self.side.run_until(event)
