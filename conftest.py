@@ -17,6 +17,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Warnings torch's own code raises on the installed release (pytest.ini turns warnings into
+    # errors); matepoint_compat lists them per release, behind its version gates.
+    from matepoint_compat import TORCH_WARNING_FILTERS
+
+    for entry in TORCH_WARNING_FILTERS:
+        config.addinivalue_line("filterwarnings", entry)
+
+
 def _cuda_devices() -> int:
     import torch
 

@@ -4,7 +4,8 @@ Sessions (``nox -l`` lists them):
 
 - ``tests``: the three packages' tests against torch 2.13.0 on the CPU. The one to run first.
 - ``tests-2.4`` ... ``tests-2.15`` (tag ``tests``): the same tests against each torch release.
-  ``TORCH_VERSIONS=2.4,2.13 nox -t tests`` narrows the set.
+  ``TORCH_VERSIONS=2.4,2.13 nox -t tests`` narrows the set. Each writes junit XML and its
+  compat gates to ``.nox-results/``; ``compat-table`` turns those into ``docs/compat.md``.
 - ``gpu``, ``bench``: GPU tests and the benchmark, against the torch already installed.
 - ``lint``, ``typecheck``, ``docs``, ``demo``.
 - ``build``, ``smoke-wheels``, ``publish-testpypi``: the release path.
@@ -33,6 +34,7 @@ nox.options.sessions = ["lint", "typecheck", "tests"]
 
 ROOT = Path(__file__).resolve().parent
 DIST = ROOT / "dist"
+RESULTS = ROOT / ".nox-results"  # junit XML + gates of each tests-2.X run (gitignored)
 
 # Order matters: each package is installed after the ones it depends on.
 PACKAGES = ("matepoint-compat", "matepoint-core", "matepoint-examples")
@@ -89,11 +91,16 @@ def _install_packages(session: nox.Session, torch_spec: str) -> None:
     session.run("python", "-c", SMOKE_IMPORT)
 
 
-def _run_tests(session: nox.Session, torch_spec: str) -> None:
+def _run_tests(session: nox.Session, torch_spec: str, *report: str) -> None:
     """Install against ``torch_spec`` and run the three packages' tests (pytest.ini's testpaths)."""
     _install_packages(session, torch_spec)
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
-    session.run("python", "-m", "pytest", *PYTEST_FLAGS, "--benchmark-disable", *session.posargs)
+    if report:  # record the installed torch and compat's gates beside the junit XML
+        session.run("python", "tools/compat_table.py", "env", "--out", report[0])
+    junit = (f"--junitxml={report[1]}",) if report else ()
+    session.run(
+        "python", "-m", "pytest", *PYTEST_FLAGS, "--benchmark-disable", *junit, *session.posargs
+    )
 
 
 @nox.session(venv_backend="venv")
@@ -114,7 +121,12 @@ def _register_matrix_session(release: str) -> None:
         wanted = _wanted_torch_releases()
         if wanted is not None and release not in wanted:
             session.skip(f"torch {release} is not in TORCH_VERSIONS={os.environ['TORCH_VERSIONS']}")
-        _run_tests(session, f"torch=={release}.*")
+        # Results for tools/compat_table.py (`nox -s compat-table`); stale ones go first.
+        env, junit = (RESULTS / f"tests-{release}.{ext}" for ext in ("json", "xml"))
+        RESULTS.mkdir(exist_ok=True)
+        env.unlink(missing_ok=True)
+        junit.unlink(missing_ok=True)
+        _run_tests(session, f"torch=={release}.*", str(env), str(junit))
 
     matrix_session.__doc__ = f"Run the tests against the newest torch {release}.x release."
     nox.session(
@@ -127,6 +139,12 @@ def _register_matrix_session(release: str) -> None:
 
 for _release in TORCH_RELEASES:
     _register_matrix_session(_release)
+
+
+@nox.session(name="compat-table", venv_backend="none", default=False)
+def compat_table(session: nox.Session) -> None:
+    """Write docs/compat.md from the tests-2.X results in .nox-results/ (run those first)."""
+    session.run("python", "tools/compat_table.py", "table", *session.posargs, external=True)
 
 
 def _installed_torch(session: nox.Session) -> str:

@@ -31,9 +31,11 @@ from matepoint_compat._legacy import (
     pop_legacy_checkpoint_kwargs,
     register_pipeline_callback,
 )
+from matepoint_compat._pytree import tree_flatten, tree_unflatten
 from matepoint_compat._version import (
     TORCH_2_5_PLUS,
     TORCH_2_6_PLUS,
+    TORCH_2_8_PLUS,
     TORCH_2_9_PLUS,
     TORCH_2_12_PLUS,
     TORCH_2_13_PLUS,
@@ -41,29 +43,33 @@ from matepoint_compat._version import (
     TORCH_VERSION,
     parse_base_version,
 )
+from matepoint_compat._warnings import TORCH_WARNING_FILTERS, ignore_torch_warnings
 
 __version__ = "0.2.0"
 
 __all__ = [
     "CHECKPOINT_SAVES_DUMMY_INPUT",
     "LEGACY_CHECKPOINT_KWARGS",
-    "LegacyModule",
-    "MatepointDeprecationWarning",
-    "PipelineCallback",
     "TORCH_2_5_PLUS",
     "TORCH_2_6_PLUS",
+    "TORCH_2_8_PLUS",
     "TORCH_2_9_PLUS",
     "TORCH_2_12_PLUS",
     "TORCH_2_13_PLUS",
     "TORCH_2_14_PLUS",
     "TORCH_CHECKPOINT_KEYWORDS",
     "TORCH_VERSION",
+    "TORCH_WARNING_FILTERS",
+    "LegacyModule",
+    "MatepointDeprecationWarning",
+    "PipelineCallback",
     "__version__",
     "adapt_checkpoint_kwargs",
     "allocate_pinned",
     "current_stream",
     "delay_stream",
     "device_module",
+    "ignore_torch_warnings",
     "install_legacy_module",
     "legacy_matepoint_pipeline",
     "legacy_pipeline_disabled",
@@ -76,5 +82,7 @@ __all__ = [
     "saved_tensors_hooks_enabled",
     "storage_use_count",
     "stream_context",
+    "tree_flatten",
+    "tree_unflatten",
     "warn_deprecated",
 ]

@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "TORCH_2_5_PLUS",
     "TORCH_2_6_PLUS",
+    "TORCH_2_8_PLUS",
     "TORCH_2_9_PLUS",
     "TORCH_2_12_PLUS",
     "TORCH_2_13_PLUS",
@@ -51,9 +52,12 @@ def parse_base_version(version: str) -> tuple[int, int, int]:
 TORCH_VERSION: tuple[int, int, int] = parse_base_version(torch.__version__)
 
 TORCH_2_5_PLUS: bool = TORCH_VERSION >= (2, 5, 0)
-"""``Tensor.pin_memory(device)`` is deprecated from 2.5 on."""
+"""``Tensor.pin_memory(device)`` is deprecated from 2.5 on; 2.4's checkpoint still recomputes under
+the deprecated ``torch.cpu.amp.autocast`` (and warns about it)."""
 TORCH_2_6_PLUS: bool = TORCH_VERSION >= (2, 6, 0)
 """``torch.accelerator`` (current stream, device index) exists from 2.6 on."""
+TORCH_2_8_PLUS: bool = TORCH_VERSION >= (2, 8, 0)
+"""``torch._C._autograd._top_saved_tensors_default_hooks`` (reads the hook stack): 2.8+."""
 TORCH_2_9_PLUS: bool = TORCH_VERSION >= (2, 9, 0)
 """``torch.utils.checkpoint.checkpoint`` takes ``early_stop=`` from 2.9 on."""
 TORCH_2_12_PLUS: bool = TORCH_VERSION >= (2, 12, 0)

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils import _pytree as pytree
 
 import matepoint_compat as compat
 from matepoint._engine import pack, unpack
@@ -81,7 +80,7 @@ def _flattened_call(
     tensor leaf as a top-level argument lets them be offloaded too, and version-checked: torch
     itself would recompute from a nested tensor modified in place without noticing.
     """
-    leaves, spec = pytree.tree_flatten((args, function_kwargs))
+    leaves, spec = compat.tree_flatten((args, function_kwargs))
     positions = [index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     tensors = tuple(leaves[index] for index in positions)
     # torch keeps ``run`` until backward: it must not reference the tensors it is given, or
@@ -93,7 +92,7 @@ def _flattened_call(
         filled = list(template)
         for index, tensor in zip(positions, tensor_args, strict=True):
             filled[index] = tensor
-        call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
+        call_args, call_kwargs = compat.tree_unflatten(filled, spec)
         return function(*call_args, **call_kwargs)
 
     return run, tensors
