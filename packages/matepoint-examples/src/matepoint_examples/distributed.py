@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import os
 
-# Before torch.distributed starts: NVLink SHARP (multicast) is off on the machines we run on.
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+# Before torch.distributed starts: NVLink multicast (NVLS) stays off. On shared multi-GPU hosts a
+# program that uses it can put every GPU of the host out of service, so this is not optional.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 import argparse
 import contextlib
