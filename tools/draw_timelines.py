@@ -77,6 +77,7 @@ def _box(
     height: float = LANE_HEIGHT,
     text_color: str = "white",
     hatch: str | None = None,
+    hatch_color: str | None = None,
     fontsize: float = 8.5,
 ) -> None:
     patch = FancyBboxPatch(
@@ -85,7 +86,7 @@ def _box(
         height,
         boxstyle="round,pad=0,rounding_size=0.06",
         facecolor=color,
-        edgecolor="white" if hatch is None else color,
+        edgecolor="white" if hatch is None else (hatch_color or color),
         linewidth=0.8,
         hatch=hatch,
         zorder=2,
@@ -162,7 +163,7 @@ def _save(fig: Figure, name: str) -> None:
 
 
 def draw_forward() -> None:
-    """Forward: pack records an event, the side stream waits on it and copies device to host."""
+    """Forward: pack records an event, the side stream copies, older originals are let go."""
     lanes = ["host thread", "compute stream", "side stream", "device memory", "pinned host"]
     fig, ax = _new_figure(lanes, width=11.5, span=12.4)
     host = _lane(lanes, "host thread")
@@ -171,20 +172,26 @@ def draw_forward() -> None:
     memory = _lane(lanes, "device memory")
     pinned = _lane(lanes, "pinned host")
 
-    starts = [0.4, 4.1, 7.8]
-    length = 3.5
-    copy = 2.3
-    for index, start in enumerate(starts, 1):
+    # Block 2 is short: its pack (x3) comes while the copy of x2 is still running.
+    starts = [0.4, 4.1, 6.0]
+    lengths = [3.5, 1.7, 3.5]
+    copy = 2.4
+    pack_labels = [
+        "pack x1",
+        "pack x2: C1 done\n→ drop x1",
+        "pack x3: C2 running →\nrecord_stream(side),\nx2 to the allocator",
+    ]
+    side_free = 0.0  # copies on the one side stream run one after another
+    copy_ends: list[float] = []
+    rows = zip(starts, lengths, pack_labels, strict=True)
+    for index, (start, length, pack_label) in enumerate(rows, 1):
         # Pack runs when torch saves the checkpoint's inputs, before the block's kernels.
-        pack_label = (
-            "pack x1"
-            if index == 1
-            else f"pack x{index}: C{index - 1} done?\nyes: drop x{index - 1}"
-        )
-        _box(ax, host, start - 0.05, start + 1.75, pack_label, "#666666", fontsize=7.5)
+        _box(ax, host, start - 0.05, start + 1.75, pack_label, "#666666", fontsize=7)
         _event(ax, start, compute, f"E{index}")
         _box(ax, compute, start + 0.1, start + length, f"forward block {index}", COMPUTE)
-        copy_start = start + 0.25
+        copy_start = max(start + 0.25, side_free)
+        side_free = copy_start + copy
+        copy_ends.append(side_free)
         _box(ax, side, copy_start, copy_start + copy, f"copy x{index} → host", D2H)
         _event(ax, copy_start + copy, side, f"C{index}", above=False)
         _arrow(ax, (start, compute), (copy_start, side), "wait E" + str(index), label_at=0.45)
@@ -198,31 +205,63 @@ def draw_forward() -> None:
             height=0.17,
             fontsize=7,
         )
+        if index > 1:
+            ax.axvline(start, ymin=0.0, ymax=1.0, color="#aaaaaa", linewidth=0.6, zorder=1)
 
-    # Device originals: x1 is the stack's input, x2 and x3 are outputs of the block before.
-    lifetimes = [(0.0, starts[1], "x1"), (starts[0] + length - 0.3, starts[2], "x2")]
-    lifetimes.append((starts[1] + length - 0.3, 12.3, "x3: the tail, still on the device"))
-    for row, (begin, end, label) in enumerate(lifetimes):
-        y = memory + 0.2 - 0.2 * row
-        _box(ax, y, begin, end, label, DEVICE, height=0.17, fontsize=7)
-    for index in (1, 2):
-        _arrow(
-            ax,
-            (starts[index - 1] + 0.25 + copy, side),
-            (starts[index], host - 0.2),
-            "",
-            color="#888888",
-            style=":",
-        )
-        ax.axvline(starts[index], ymin=0.0, ymax=1.0, color="#aaaaaa", linewidth=0.6, zorder=1)
+    # Device originals. x1 is dropped at pack x2 (its copy is done). x2's copy still runs at
+    # pack x3: matepoint lets go of it with record_stream(side), and the caching allocator
+    # reuses its memory once C2 has completed. x3 is the newest, in use by block 3: kept.
+    c2 = copy_ends[1]
+    _box(ax, memory + 0.2, 0.0, starts[1], "x1", DEVICE, height=0.17, fontsize=7)
+    _box(ax, memory, starts[0] + lengths[0] - 0.3, starts[2], "x2", DEVICE, height=0.17, fontsize=7)
+    _box(
+        ax,
+        memory,
+        starts[2],
+        c2,
+        "",
+        "#e8dcd3",
+        height=0.17,
+        hatch="////",
+        hatch_color=DEVICE,
+    )
+    _box(
+        ax,
+        memory - 0.2,
+        starts[1] + lengths[1] - 0.3,
+        12.3,
+        "x3: the newest, still on the device (the tail)",
+        DEVICE,
+        height=0.17,
+        fontsize=7,
+    )
+    _arrow(
+        ax,
+        (c2, side),
+        (c2, memory + 0.08),
+        "allocator may reuse x2",
+        color="#888888",
+        style=":",
+        label_at=0.6,
+    )
+    _arrow(
+        ax,
+        (copy_ends[0], side),
+        (starts[1], host - 0.2),
+        "",
+        color="#888888",
+        style=":",
+    )
     _note(
         ax,
-        9.72,
+        9.55,
         host,
-        "an original is dropped only after\n"
-        "its copy's event completed (polled\n"
-        "at the next pack; the host blocks\n"
-        "only past max_inflight_bytes)",
+        "each pack settles the older originals:\n"
+        "copy done → dropped (version checked)\n"
+        "copy running → record_stream(side),\n"
+        "to the allocator (or watched while\n"
+        "something else references it)\n"
+        "the host waits only past max_inflight_bytes",
     )
     ax.set_title(
         "Forward: each checkpoint's input leaves the device on the side stream",
