@@ -150,7 +150,7 @@ def checkpoint(
         >>> y = checkpoint(block, x)
         >>> y.sum().backward()
     """
-    compat.pop_legacy_checkpoint_kwargs(kwargs, stacklevel=3)
+    compat.pop_legacy_checkpoint_kwargs(kwargs, stacklevel=2)
     if function is None:
         if args:
             raise TypeError("checkpoint() got positional arguments but no function to run")
@@ -234,7 +234,7 @@ def checkpoint_sequential(
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
         >>> out = checkpoint_sequential(model, 2, torch.randn(2, 16, requires_grad=True))
     """
-    compat.pop_legacy_checkpoint_kwargs(kwargs, stacklevel=3)
+    compat.pop_legacy_checkpoint_kwargs(kwargs, stacklevel=2)
     preserve = kwargs.pop("preserve_rng_state", True)
     if kwargs:
         raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
