@@ -62,6 +62,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return saved
 
 
+def _aborted_at_exit(stderr: str) -> bool:
+    return "terminate called without an active exception" in stderr
+
+
 def _torchrun(tmp_path: Path, *args: str) -> dict[str, Any]:
     out = tmp_path / "report.json"
     command = [
@@ -78,6 +82,12 @@ def _torchrun(tmp_path: Path, *args: str) -> dict[str, Any]:
         str(out),
     ]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120)
+    if done.returncode != 0 and _aborted_at_exit(done.stderr) and out.exists():
+        # A gloo rank has been seen, rarely and only on a loaded machine, to abort in a C++
+        # thread destructor at interpreter exit after finishing its work. One retry tells that
+        # teardown flake apart from a real failure; a second abort fails the test.
+        out.unlink()
+        done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
     return report

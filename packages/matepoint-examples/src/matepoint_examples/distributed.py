@@ -387,10 +387,16 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         The report (also written to ``args.out`` when given) on rank 0.
     """
     device, rank, world = _setup(args)
+    finished = False
     try:
-        return _train(args, device, rank, world)
+        report = _train(args, device, rank, world)
+        finished = True
+        return report
     finally:
         if dist.is_available() and dist.is_initialized():
+            if finished:
+                # Every rank's collectives are done before the group's threads are torn down.
+                dist.barrier()
             dist.destroy_process_group()
 
 
