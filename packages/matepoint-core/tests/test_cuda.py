@@ -42,7 +42,9 @@ def _stack(depth: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tor
     return torch.nn.ModuleList(Block(WIDTH) for _ in range(depth)).to("cuda", dtype)
 
 
-def _forward(blocks: torch.nn.ModuleList, x: torch.Tensor, checkpoint_fn: Callable[..., Any]) -> torch.Tensor:
+def _forward(
+    blocks: torch.nn.ModuleList, x: torch.Tensor, checkpoint_fn: Callable[..., Any]
+) -> torch.Tensor:
     h = x
     for block in blocks:
         h = checkpoint_fn(block, h)

@@ -21,6 +21,7 @@ from torch import nn
 import matepoint
 import matepoint.integrations as mi
 from matepoint.testing import CPUTestTransport, use_transport
+from matepoint_compat import _version as compat
 
 SEED = 0
 WIDTH = 16
@@ -319,6 +320,14 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+# torch 2.4's own non-reentrant checkpoint fails around torch.compile'd code ("A different number
+# of tensors was saved during the original forward and recomputation"); fixed in 2.5.
+_COMPILE_IN_CHECKPOINT = pytest.mark.skipif(
+    not compat.TORCH_2_5_PLUS, reason="torch 2.4's checkpoint breaks around compiled code"
+)
+
+
+@_COMPILE_IN_CHECKPOINT
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compiled_blocks_inside_matepoint_checkpoint(
     transport: CPUTestTransport, fresh_dynamo: None, backend: str
@@ -341,6 +350,7 @@ def test_compiled_blocks_inside_matepoint_checkpoint(
 
 
 # Dynamo cannot trace saved_tensors_hooks and says so once per reason, as a UserWarning.
+@_COMPILE_IN_CHECKPOINT
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning")
 def test_compiling_the_whole_model_graph_breaks_at_matepoint(
     transport: CPUTestTransport, fresh_dynamo: None

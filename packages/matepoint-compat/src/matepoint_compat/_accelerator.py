@@ -63,7 +63,7 @@ def stream_context(stream: Any) -> contextlib.AbstractContextManager[Any]:
 
 
 def delay_stream(stream: Any, cycles: int) -> None:
-    """Queue a busy-wait of ``cycles`` GPU clock cycles on ``stream`` (a debug knob for race probes).
+    """Queue a busy-wait of ``cycles`` GPU cycles on ``stream`` (a debug knob for race probes).
 
     Uses ``torch.cuda._sleep``, which torch has kept private on every release; without it the
     delay is skipped (the probe then tests less, it never breaks a run).
@@ -78,7 +78,7 @@ def delay_stream(stream: Any, cycles: int) -> None:
 
 
 def _unregister(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)
+    torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
 
 def allocate_pinned(nbytes: int) -> torch.Tensor:
@@ -105,7 +105,7 @@ def allocate_pinned(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     block = torch.empty(nbytes, dtype=torch.uint8)
     address = block.data_ptr()
-    status = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    status = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)  # type: ignore[no-untyped-call]
     code = int(getattr(status, "value", status))
     if code != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}")

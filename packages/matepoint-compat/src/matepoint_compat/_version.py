@@ -26,8 +26,8 @@ __all__ = [
 def parse_base_version(version: str) -> tuple[int, int, int]:
     """Return the release a torch version string belongs to, as a comparable tuple.
 
-    Nightlies (``2.15.0.dev20260101``), local builds (``2.13.0+cpu``) and release candidates count as
-    their base release, so a gate means "this release's behaviour", whatever the build.
+    Nightlies (``2.15.0.dev20260101``), local builds (``2.13.0+cpu``) and release candidates count
+    as their base release, so a gate means "this release's behaviour", whatever the build.
 
     Args:
         version: A version string such as ``torch.__version__``.

@@ -36,4 +36,5 @@ def ignore_torch_warnings() -> None:
     """
     for entry in TORCH_WARNING_FILTERS:
         action, message, category = entry.split(":")
-        warnings.filterwarnings(action, message=message, category=getattr(builtins, category))
+        assert action == "ignore", entry
+        warnings.filterwarnings("ignore", message=message, category=getattr(builtins, category))

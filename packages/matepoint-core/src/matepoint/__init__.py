@@ -9,7 +9,6 @@ stream that overlaps compute.
 import sys
 
 import matepoint_compat as _compat
-
 from matepoint._checkpoint import checkpoint, checkpoint_sequential
 from matepoint._errors import InplaceModificationError, MatepointError, PinnedMemoryExhausted
 from matepoint._monitor import release_pool, report, reset_stats, stats

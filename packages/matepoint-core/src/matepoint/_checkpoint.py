@@ -46,7 +46,8 @@ def _resolve_options(offload: OffloadOptions | bool | None) -> OffloadOptions | 
     if isinstance(offload, OffloadOptions):
         return offload
     raise TypeError(
-        f"checkpoint() offload= must be an OffloadOptions, True, False or None, got {type(offload).__name__}"
+        "checkpoint() offload= must be an OffloadOptions, True, False or None, "
+        f"got {type(offload).__name__}"
     )
 
 
@@ -66,8 +67,10 @@ class _OffloadHooks(saved_tensors_hooks):
 def _needs_flattening(args: tuple[Any, ...], function_kwargs: dict[str, Any]) -> bool:
     if any(not isinstance(value, _SIMPLE_LEAF_TYPES) for value in args):
         return True
-    return any(not isinstance(value, _SIMPLE_LEAF_TYPES) or isinstance(value, torch.Tensor)
-               for value in function_kwargs.values())
+    return any(
+        not isinstance(value, _SIMPLE_LEAF_TYPES) or isinstance(value, torch.Tensor)
+        for value in function_kwargs.values()
+    )
 
 
 def _flattened_call(
@@ -157,7 +160,9 @@ def checkpoint(
         return _decorator(use_reentrant=use_reentrant, pipeline=pipeline, offload=offload, **kwargs)
     reentrant = True if use_reentrant is None else bool(use_reentrant)
     options = _resolve_options(offload)
-    checkpoint_options = {name: kwargs.pop(name) for name in list(kwargs) if name in _CHECKPOINT_OPTION_NAMES}
+    checkpoint_options = {
+        name: kwargs.pop(name) for name in list(kwargs) if name in _CHECKPOINT_OPTION_NAMES
+    }
     function_kwargs = kwargs
     adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)
     if (
@@ -170,7 +175,11 @@ def checkpoint(
         # recomputation, save_on_cpu) owns the saved inputs: plain torch checkpoint.
         with adapted:
             return torch_checkpoint.checkpoint(
-                function, *args, use_reentrant=use_reentrant, **checkpoint_options, **function_kwargs
+                function,
+                *args,
+                use_reentrant=use_reentrant,
+                **checkpoint_options,
+                **function_kwargs,
             )
     pipelined = pipeline and not compat.legacy_pipeline_disabled()
     call_function, call_args = function, args

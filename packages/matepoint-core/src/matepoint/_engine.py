@@ -74,11 +74,13 @@ def _engine_for(key: Hashable, tensor: torch.Tensor, active: Transport) -> Chann
 
 
 def _is_dense(tensor: torch.Tensor) -> bool:
-    """Whether the tensor's elements fill exactly ``numel`` slots of its storage, without overlap."""
+    """Whether the tensor's elements fill exactly ``numel`` storage slots, without overlap."""
     if tensor.is_contiguous():
         return True
     dims = sorted(
-        (stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size != 1
+        (stride, size)
+        for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+        if size != 1
     )
     expected = 1
     for stride, size in dims:
@@ -193,9 +195,7 @@ class ChannelEngine:
             nbytes = tensor.numel() * tensor.element_size()
             block = self.pool.acquire(nbytes, options, on_side_stream=pipelined)
             host = (
-                block.buffer[:nbytes]
-                .view(tensor.dtype)
-                .as_strided(tensor.shape, tensor.stride())
+                block.buffer[:nbytes].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
             )
             self._sequence += 1
             record = Record(

@@ -72,9 +72,11 @@ class OffloadOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"OffloadOptions.{name} must be an int >= 0, got {value!r}")
-        cap = self.pool_cap_bytes
+        cap: object = self.pool_cap_bytes
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise ValueError(f"OffloadOptions.pool_cap_bytes must be None or an int >= 0, got {cap!r}")
+            raise ValueError(
+                f"OffloadOptions.pool_cap_bytes must be None or an int >= 0, got {cap!r}"
+            )
         if self.on_pool_exhausted not in ("pageable", "raise"):
             raise ValueError(
                 "OffloadOptions.on_pool_exhausted must be 'pageable' or 'raise', "

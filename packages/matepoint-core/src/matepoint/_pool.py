@@ -87,12 +87,15 @@ class PinnedPool:
             return block
         cap = options.pool_cap_bytes
         if cap is not None and self.pinned_bytes + nbytes > cap:
-            self._release_idle(target_idle=max(0, cap - nbytes - (self.pinned_bytes - self.idle_bytes)))
+            self._release_idle(
+                target_idle=max(0, cap - nbytes - (self.pinned_bytes - self.idle_bytes))
+            )
         failure: str | None = None
         if cap is not None and self.pinned_bytes + nbytes > cap:
             failure = (
                 f"the pinned pool cap of {cap} bytes is reached "
-                f"({self.pinned_bytes} bytes pinned, {self.in_use_bytes} in use, {nbytes} more asked)"
+                f"({self.pinned_bytes} bytes pinned, {self.in_use_bytes} in use, "
+                f"{nbytes} more asked)"
             )
         else:
             try:

@@ -101,9 +101,15 @@ def format_report(stats: OffloadStats) -> str:
             f"{stats.stash_hits} unpacks, {_bytes(stats.bytes_served_from_stash)} (no copy back)",
         ),
         ("shared (dedupe)", f"{stats.dedupe_hits} saves"),
-        ("freed nothing", f"{stats.offloads_freed_nothing} offloads (original kept alive elsewhere)"),
+        (
+            "freed nothing",
+            f"{stats.offloads_freed_nothing} offloads (original kept alive elsewhere)",
+        ),
         ("compute waited", f"{stats.compute_wait_seconds * 1e3:.2f} ms for copies back"),
-        ("host waited", f"{stats.host_wait_seconds * 1e3:.2f} ms ({stats.throttled_waits} throttles)"),
+        (
+            "host waited",
+            f"{stats.host_wait_seconds * 1e3:.2f} ms ({stats.throttled_waits} throttles)",
+        ),
         (
             "kept in place",
             f"{stats.skipped_small} small, {stats.skipped_parameters} parameters, "

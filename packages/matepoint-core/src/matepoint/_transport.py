@@ -43,22 +43,22 @@ class Channel(Protocol):
     device: torch.device
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
-        """Return ``nbytes`` of pinned host memory as a 1-D uint8 tensor (may raise RuntimeError)."""
+        """Return ``nbytes`` of pinned host memory as 1-D uint8 (may raise RuntimeError)."""
 
     def allocate_pageable(self, nbytes: int) -> torch.Tensor:
         """Return ``nbytes`` of ordinary host memory as a 1-D uint8 tensor."""
 
     def copy_out(self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int) -> Any:
-        """Queue ``host.copy_(source)`` on the side stream after current compute; return its event."""
+        """Queue ``host.copy_(source)`` on the side stream after compute; return its event."""
 
     def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
-        """Queue a copy of ``host`` into a new device tensor on the side stream; return it and its event."""
+        """Queue a copy of ``host`` into a new device tensor on the side stream; return both."""
 
     def copy_out_now(self, source: torch.Tensor, host: torch.Tensor) -> None:
         """Copy ``source`` into ``host`` on the compute stream, finished when this returns."""
 
     def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
-        """Copy ``host`` into a new device tensor on the compute stream, finished when this returns."""
+        """Copy ``host`` into a new device tensor on the compute stream, done on return."""
 
     def wait(self, event: Any, measure: bool) -> Any:
         """Make the compute stream wait on ``event``; return a timing token or None."""
@@ -134,7 +134,9 @@ class _CudaChannel:
         host.copy_(source, non_blocking=False)
 
     def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
-        target = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=self.device)
+        target = torch.empty_strided(
+            host.size(), host.stride(), dtype=host.dtype, device=self.device
+        )
         target.copy_(host, non_blocking=False)
         return target
 

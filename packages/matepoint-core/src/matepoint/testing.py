@@ -101,9 +101,9 @@ class _CPUTestChannel:
         )
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
-        if self.owner.pinned_limit_bytes is not None:
-            if self.owner.pinned_bytes + nbytes > self.owner.pinned_limit_bytes:
-                raise RuntimeError("CUDA error: out of memory (simulated pinned host allocation)")
+        limit = self.owner.pinned_limit_bytes
+        if limit is not None and self.owner.pinned_bytes + nbytes > limit:
+            raise RuntimeError("CUDA error: out of memory (simulated pinned host allocation)")
         self.owner.pinned_bytes += nbytes
         block = torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8)
         self.owner.host_buffers.add(block.data_ptr())
