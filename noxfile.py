@@ -52,6 +52,8 @@ DEFAULT_TORCH = "torch==2.13.0"
 TORCH_RELEASES = tuple(f"2.{minor}" for minor in range(4, 16))
 
 TEST_DEPS = ("pytest>=8", "pytest-benchmark>=4")
+# The Hugging Face integration tests run where these are installed and skip elsewhere.
+INTEGRATION_DEPS = ("transformers>=4.40",)
 PYTEST_FLAGS = ("--strict-markers", "--strict-config", "-p", "no:cacheprovider")
 SMOKE_IMPORT = "import matepoint, matepoint_compat, matepoint_examples"
 
@@ -91,9 +93,16 @@ def _install_packages(session: nox.Session, torch_spec: str) -> None:
     session.run("python", "-c", SMOKE_IMPORT)
 
 
-def _run_tests(session: nox.Session, torch_spec: str, *report: str) -> None:
-    """Install against ``torch_spec`` and run the three packages' tests (pytest.ini's testpaths)."""
+def _run_tests(
+    session: nox.Session, torch_spec: str, *report: str, extra: tuple[str, ...] = ()
+) -> None:
+    """Install against ``torch_spec`` and run the three packages' tests (pytest.ini's testpaths).
+
+    ``extra`` are optional libraries whose integration tests otherwise skip.
+    """
     _install_packages(session, torch_spec)
+    if extra:
+        session.install(*extra)
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     if report:  # record the installed torch and compat's gates beside the junit XML
         session.run("python", "tools/compat_table.py", "env", "--out", report[0])
@@ -105,8 +114,8 @@ def _run_tests(session: nox.Session, torch_spec: str, *report: str) -> None:
 
 @nox.session(venv_backend="venv")
 def tests(session: nox.Session) -> None:
-    """Run the tests against torch 2.13.0 on the CPU (what CI runs)."""
-    _run_tests(session, DEFAULT_TORCH)
+    """Run the tests against torch 2.13.0 on the CPU (what CI runs), transformers included."""
+    _run_tests(session, DEFAULT_TORCH, extra=INTEGRATION_DEPS)
 
 
 def _wanted_torch_releases() -> set[str] | None:
