@@ -8,12 +8,17 @@ torch they have.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
 
-from matepoint_compat._version import TORCH_2_9_PLUS, TORCH_2_12_PLUS, TORCH_2_14_PLUS, TORCH_VERSION
+from matepoint_compat._version import (
+    TORCH_2_9_PLUS,
+    TORCH_2_12_PLUS,
+    TORCH_2_14_PLUS,
+    TORCH_VERSION,
+)
 
 __all__ = [
     "CHECKPOINT_SAVES_DUMMY_INPUT",
@@ -33,16 +38,11 @@ TORCH_CHECKPOINT_KEYWORDS: frozenset[str] = frozenset(
     | ({"early_stop"} if TORCH_2_9_PLUS else set())
     | ({"respect_saved_tensors_hooks"} if TORCH_2_14_PLUS else set())
 )
-"""Keyword arguments the installed torch's checkpoint consumes itself (the rest reach the function)."""
+"""Keyword arguments the installed torch's checkpoint consumes (the rest reach the function)."""
 
 
 def _installed() -> str:
     return ".".join(str(part) for part in TORCH_VERSION)
-
-
-@contextlib.contextmanager
-def _no_context() -> Iterator[None]:
-    yield
 
 
 def adapt_checkpoint_kwargs(
@@ -72,7 +72,10 @@ def adapt_checkpoint_kwargs(
     Raises:
         TypeError: If a keyword needs a newer torch than the installed one.
     """
-    context: contextlib.AbstractContextManager[None] = _no_context()
+    # nullcontext, not a generator-based @contextmanager: dynamo before torch 2.8 cannot carry a
+    # live generator context across the graph break at matepoint.checkpoint ("NYI: Returning a
+    # @contextmanager object from a torch.compile function").
+    context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if not TORCH_2_9_PLUS and "early_stop" in kwargs:
         early_stop = bool(kwargs.pop("early_stop"))
         if not use_reentrant:
