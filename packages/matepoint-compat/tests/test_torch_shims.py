@@ -136,3 +136,15 @@ def test_ignore_torch_warnings_drops_only_torchs_own() -> None:
         warnings.warn("raised by matepoint itself", FutureWarning, stacklevel=1)
     future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
     assert future == ["raised by matepoint itself"]
+
+
+# --- no-op checkpoint context (dynamo before torch 2.8) ------------------------------------------
+
+
+def test_no_op_checkpoint_context_is_nullcontext() -> None:
+    # dynamo before 2.8 fails on a live @contextmanager generator across matepoint's graph break
+    # ("NYI: Returning a @contextmanager object from a torch.compile function").
+    import contextlib
+
+    context = compat.adapt_checkpoint_kwargs({}, use_reentrant=False)
+    assert isinstance(context, contextlib.nullcontext)
