@@ -1,4 +1,4 @@
-"""Fixtures and small models shared by the engine tests (imported by the test modules).
+"""Small models and checks shared by the engine tests (fixtures live in conftest.py).
 
 The tests run matepoint's engine on the CPU through :class:`matepoint.testing.CPUTestTransport`,
 which treats CPU tensors as device tensors and defers every copy to an explicit sync point.
@@ -7,16 +7,15 @@ which treats CPU tensors as device tensors and defers every copy to an explicit 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
 from matepoint import _engine
-from matepoint.testing import CPUTestTransport, use_transport
+from matepoint.testing import CPUTestTransport
 
 WIDTH = 16
 
@@ -40,31 +39,6 @@ def assert_nothing_leaked() -> None:
     assert snapshot.live_records == 0
     assert snapshot.pool_in_use_bytes == 0
     assert snapshot.device_bytes_held == 0
-
-
-@pytest.fixture
-def fresh_stats() -> None:
-    """Start from zeroed counters and empty idle pools (conftest has collected garbage)."""
-    matepoint.release_pool()
-    matepoint.reset_stats()
-
-
-@pytest.fixture
-def transport(fresh_stats: None) -> Iterator[CPUTestTransport]:
-    """A deferred-completion CPU test transport, with every tensor big enough to offload."""
-    test_transport = CPUTestTransport()
-    with use_transport(test_transport), matepoint.options(min_offload_bytes=0):
-        yield test_transport
-    test_transport.drain()
-
-
-@pytest.fixture
-def fast_transport(fresh_stats: None) -> Iterator[CPUTestTransport]:
-    """A transport whose copies complete when polled (a fast link): originals are released."""
-    test_transport = CPUTestTransport(completion="on_query")
-    with use_transport(test_transport), matepoint.options(min_offload_bytes=0):
-        yield test_transport
-    test_transport.drain()
 
 
 class Stack(torch.nn.Module):

@@ -94,3 +94,28 @@ def pipeline(request: pytest.FixtureRequest) -> bool:
 def use_reentrant(request: pytest.FixtureRequest) -> bool:
     """torch's ``use_reentrant=`` flag, passed to both twins."""
     return bool(request.param)
+
+
+@pytest.fixture
+def fresh_stats() -> None:
+    """Start from zeroed counters and empty idle pools (conftest has collected garbage)."""
+    matepoint.release_pool()
+    matepoint.reset_stats()
+
+
+@pytest.fixture
+def transport(fresh_stats: None) -> Iterator[CPUTestTransport]:
+    """A deferred-completion CPU test transport, with every tensor big enough to offload."""
+    test_transport = CPUTestTransport()
+    with use_transport(test_transport), matepoint.options(min_offload_bytes=0):
+        yield test_transport
+    test_transport.drain()
+
+
+@pytest.fixture
+def fast_transport(fresh_stats: None) -> Iterator[CPUTestTransport]:
+    """A transport whose copies complete when polled (a fast link): originals are released."""
+    test_transport = CPUTestTransport(completion="on_query")
+    with use_transport(test_transport), matepoint.options(min_offload_bytes=0):
+        yield test_transport
+    test_transport.drain()

@@ -7,34 +7,25 @@ look-ahead order, when originals are released, and release of everything when th
 from __future__ import annotations
 
 import gc
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-
-import matepoint
-from matepoint import _engine
-from matepoint._transport import CudaTransport
-from matepoint.testing import CopyReadFreedMemory, CPUTestTransport, use_transport
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _helpers import (
     Stack,
     assert_grads_equal,
     assert_nothing_leaked,
     engine_of,
-    fast_transport,
-    fresh_stats,
     grads_of,
     mate_ckpt,
     settle,
     torch_ckpt,
-    transport,
 )
 
-__all__ = ["fast_transport", "fresh_stats", "transport"]  # fixtures used by name
+import matepoint
+from matepoint import _engine
+from matepoint._transport import CudaTransport
+from matepoint.testing import CopyReadFreedMemory, CPUTestTransport, use_transport
 
 
 def _mul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

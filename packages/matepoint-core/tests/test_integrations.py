@@ -20,8 +20,8 @@ from torch import nn
 
 import matepoint
 import matepoint.integrations as mi
+import matepoint_compat as compat
 from matepoint.testing import CPUTestTransport, use_transport
-from matepoint_compat import _version as compat
 
 SEED = 0
 WIDTH = 16

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import matepoint
 from matepoint.testing import CPUTestTransport
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _helpers import fresh_stats, transport
-
-__all__ = ["fresh_stats", "transport"]  # fixtures used by name
 
 INT_FIELDS = (
     "min_offload_bytes",

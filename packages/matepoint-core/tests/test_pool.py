@@ -3,33 +3,24 @@
 from __future__ import annotations
 
 import gc
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-
-import matepoint
-from matepoint import _pool
-from matepoint.testing import CPUTestTransport, use_transport
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _helpers import (
     Stack,
     assert_grads_equal,
     assert_nothing_leaked,
     engine_of,
-    fast_transport,
-    fresh_stats,
     grads_of,
     mate_ckpt,
     settle,
     torch_ckpt,
-    transport,
 )
 
-__all__ = ["fast_transport", "fresh_stats", "transport"]  # fixtures used by name
+import matepoint
+from matepoint import _pool
+from matepoint.testing import CPUTestTransport, use_transport
 
 DEPTH = 4
 ONE = 4 * 16 * 4  # bytes of one block input (4 x 16 float32)

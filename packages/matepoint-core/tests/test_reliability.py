@@ -4,32 +4,22 @@ from __future__ import annotations
 
 import gc
 import random
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
-
-import matepoint
-from matepoint.testing import CPUTestTransport, use_transport
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _helpers import (
     Stack,
     assert_grads_equal,
     assert_nothing_leaked,
-    fast_transport,
-    fresh_stats,
     grads_of,
     mate_ckpt,
     settle,
     torch_ckpt,
-    transport,
 )
 
-__all__ = ["fast_transport", "fresh_stats", "transport"]  # fixtures used by name
-
+import matepoint
+from matepoint.testing import CPUTestTransport, use_transport
 
 # -- in-place modification of a saved input after forward ----------------------------------------
 

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import torch
+from _helpers import Stack, grads_of, mate_ckpt, settle
 
 import matepoint
 from matepoint._stats import Counters, OffloadStats, format_report
 from matepoint.testing import CPUTestTransport
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _helpers import Stack, fast_transport, fresh_stats, grads_of, mate_ckpt, settle, transport
-
-__all__ = ["fast_transport", "fresh_stats", "transport"]  # fixtures used by name
 
 SECTIONS = (
     "matepoint offload report",

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import gc
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +11,6 @@ import torch
 import matepoint
 from matepoint import _engine
 from matepoint.testing import POISON_BYTE, CopyReadFreedMemory, CPUTestTransport, use_transport
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _helpers import fresh_stats
-
-__all__ = ["fresh_stats"]  # fixtures used by name
 
 
 def _channel(completion: str = "deferred", **kwargs: object):  # type: ignore[no-untyped-def]
