@@ -259,6 +259,23 @@ def demo(session: nox.Session) -> None:
     session.run("matepoint-demo", *session.posargs)
 
 
+@nox.session(name="bench-micro", venv_backend="venv", default=False)
+def bench_micro(session: nox.Session) -> None:
+    """Per-call CPU cost of matepoint vs torch's checkpoint, and the pool (pytest-benchmark)."""
+    _install_packages(session, DEFAULT_TORCH)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        *PYTEST_FLAGS,
+        "packages/matepoint-core/benchmarks",
+        "--benchmark-only",
+        "--benchmark-columns=median,mean,stddev,rounds",
+        "--benchmark-sort=name",
+        *session.posargs,
+    )
+
+
 def _build_into_dist(session: nox.Session) -> None:
     """Build every package's sdist and wheel into an empty dist/, check them, check the names."""
     if DIST.exists() and any(DIST.iterdir()):
