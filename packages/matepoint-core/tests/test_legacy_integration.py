@@ -21,7 +21,7 @@ from torch import nn
 
 import matepoint
 from matepoint.testing import CPUTestTransport
-from matepoint_compat import MatepointDeprecationWarning
+from matepoint_compat import MatepointDeprecationWarning, ignore_torch_warnings
 
 SEED = 99
 WIDTH = 16
@@ -173,6 +173,7 @@ def test_legacy_kwarg_in_checkpoint_sequential(
         return [out.detach(), x.grad, *(parameter.grad for parameter in model.parameters())]
 
     with pytest.warns(MatepointDeprecationWarning, match="`stream=`") as caught:
+        ignore_torch_warnings()  # torch's own, on some releases (backward runs in this block)
         mine = step(matepoint.checkpoint_sequential, stream=None)
     assert len(caught) == 1
     assert (caught[0].filename, caught[0].lineno) == (__file__, sequential_line)
