@@ -21,7 +21,7 @@ from torch import nn
 
 import matepoint
 from matepoint.testing import CPUTestTransport
-from matepoint_compat import MatepointDeprecationWarning, ignore_torch_warnings
+from matepoint_compat import MatepointDeprecationWarning
 
 SEED = 99
 WIDTH = 16
@@ -173,10 +173,12 @@ def test_legacy_kwarg_in_checkpoint_sequential(
         return [out.detach(), x.grad, *(parameter.grad for parameter in model.parameters())]
 
     with pytest.warns(MatepointDeprecationWarning, match="`stream=`") as caught:
-        ignore_torch_warnings()  # torch's own, on some releases (backward runs in this block)
         mine = step(matepoint.checkpoint_sequential, stream=None)
-    assert len(caught) == 1
-    assert (caught[0].filename, caught[0].lineno) == (__file__, sequential_line)
+    # Backward runs in the block: torch 2.4 adds its own autocast FutureWarning there. pytest.warns
+    # re-emits what did not match, and pytest.ini's filters (torch's own ignored) judge those.
+    ours = [w for w in caught if issubclass(w.category, MatepointDeprecationWarning)]
+    assert len(ours) == 1
+    assert (ours[0].filename, ours[0].lineno) == (__file__, sequential_line)
     assert matepoint.stats().offloads == 3
     assert_all_equal(mine, step(torch_checkpoint.checkpoint_sequential))
 
