@@ -7,6 +7,7 @@ Sessions (``nox -l`` lists them):
   ``TORCH_VERSIONS=2.4,2.13 nox -t tests`` narrows the set. Each writes junit XML and its
   compat gates to ``.nox-results/``; ``compat-table`` turns those into ``docs/compat.md``.
 - ``gpu``, ``bench``: GPU tests and the benchmark, against the torch already installed.
+- ``reliability-report``: the fault, bad-input and soak tests; writes ``docs/reliability.md``.
 - ``lint``, ``typecheck``, ``docs``, ``demo``.
 - ``build``, ``smoke-wheels``, ``publish-testpypi``: the release path.
 
@@ -148,6 +149,16 @@ def _register_matrix_session(release: str) -> None:
 
 for _release in TORCH_RELEASES:
     _register_matrix_session(_release)
+
+
+@nox.session(name="reliability-report", venv_backend="venv", default=False)
+def reliability_report(session: nox.Session) -> None:
+    """Run the reliability tests (long soak included) on torch 2.13.0, write docs/reliability.md.
+
+    Arguments pass through to tools/reliability_report.py (``-- --no-slow``, ``--out FILE``).
+    """
+    _install_packages(session, DEFAULT_TORCH)
+    session.run("python", "tools/reliability_report.py", *session.posargs)
 
 
 @nox.session(name="compat-table", venv_backend="none", default=False)

@@ -1,10 +1,15 @@
-"""Failure modes: in-place writes to saved inputs, threads, interrupts, and long runs (soak)."""
+"""Failure modes: in-place writes to saved inputs, threads, interrupts, and long runs (soak).
+
+Each test records what it checked and its numbers with ``record_property``, for
+``tools/reliability_report.py`` (``docs/reliability.md``); test_faults_and_inputs.py has the rest.
+"""
 
 from __future__ import annotations
 
 import gc
 import random
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,10 +26,53 @@ from _helpers import (
 import matepoint
 from matepoint.testing import CPUTestTransport, use_transport
 
+Record = Callable[[str, object], None]
+"""pytest's ``record_property`` fixture."""
+
+
+def _report(
+    record_property: Record, area: str, case: str, checks: str, guarantees: str, **numbers: object
+) -> None:
+    """Record a test's description and numbers (``steps``, ``faults_injected``, ``*_before``...).
+
+    See ``report`` in test_faults_and_inputs.py for what ``area`` and ``guarantees`` hold.
+    """
+    record_property("area", area)
+    record_property("case", case)
+    record_property("checks", checks)
+    record_property("guarantees", guarantees)
+    for name, value in numbers.items():
+        record_property(name, value)
+
+
+def _levels(stage: str) -> dict[str, int]:
+    """The memory levels a fault must leave unchanged, and RSS, keyed ``<name>_<stage>``."""
+    snapshot = settle()
+    return {
+        f"live_records_{stage}": snapshot.live_records,
+        f"pool_in_use_bytes_{stage}": snapshot.pool_in_use_bytes,
+        f"pool_pinned_bytes_{stage}": snapshot.pool_pinned_bytes,
+        f"device_bytes_held_{stage}": snapshot.device_bytes_held,
+        f"rss_bytes_{stage}": _rss_bytes(),
+    }
+
+
+def _restored(before: dict[str, int]) -> dict[str, int]:
+    """The levels now, asserted equal to ``before`` (all but RSS, which the interpreter owns)."""
+    after = _levels("after")
+    for name, value in before.items():
+        if not name.startswith("rss_bytes"):
+            current = after[name.replace("_before", "_after")]
+            assert current == value, f"{name}: {value}; after the fault: {current}"
+    return after
+
+
 # -- in-place modification of a saved input after forward ----------------------------------------
 
 
-def test_inplace_while_original_is_held_raises(transport: CPUTestTransport) -> None:
+def test_inplace_while_original_is_held_raises(
+    transport: CPUTestTransport, record_property: Record
+) -> None:
     x = torch.randn(4, 16, requires_grad=True)
     h = x * 1
     y = matepoint.checkpoint(torch.sin, h)
@@ -32,9 +80,19 @@ def test_inplace_while_original_is_held_raises(transport: CPUTestTransport) -> N
     with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
         y.sum().backward()
     assert isinstance(caught.value, matepoint.InplaceModificationError)
+    assert "[torch.FloatTensor [4, 16]]" in str(caught.value)  # names the tensor, as torch does
+    _report(
+        record_property,
+        "inputs",
+        "in-place write after forward (original still held)",
+        "backward raises InplaceModificationError (a RuntimeError worded as torch's, naming "
+        "type, shape and versions)",
+        "clear-errors,parity",
+        faults_injected=1,
+    )
 
 
-def test_torch_raises_for_the_same_modification() -> None:
+def test_torch_raises_for_the_same_modification(record_property: Record) -> None:
     # The contract matepoint keeps: torch's own checkpoint raises here too.
     x = torch.randn(4, 16, requires_grad=True)
     h = x * 1
@@ -42,9 +100,19 @@ def test_torch_raises_for_the_same_modification() -> None:
     h.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+    _report(
+        record_property,
+        "inputs",
+        "in-place write after forward: torch's own checkpoint",
+        "torch.utils.checkpoint raises RuntimeError for the same write (the contract kept)",
+        "parity",
+        faults_injected=1,
+    )
 
 
-def test_inplace_after_release_raises(fast_transport: CPUTestTransport) -> None:
+def test_inplace_after_release_raises(
+    fast_transport: CPUTestTransport, record_property: Record
+) -> None:
     x = torch.randn(4, 16, requires_grad=True)
     with matepoint.options(stash_bytes=0):
         h = x * 1
@@ -54,10 +122,18 @@ def test_inplace_after_release_raises(fast_transport: CPUTestTransport) -> None:
         h.mul_(2.0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             z.sum().backward()
+    _report(
+        record_property,
+        "inputs",
+        "in-place write after forward (original released)",
+        "the device original was let go after its copy; backward still raises",
+        "clear-errors,parity",
+        faults_injected=1,
+    )
 
 
 def test_inplace_through_another_view_after_release_is_never_silently_wrong(
-    fast_transport: CPUTestTransport,
+    fast_transport: CPUTestTransport, record_property: Record
 ) -> None:
     x = torch.randn(8, 16, requires_grad=True)
     expected = torch.exp(torch.sin(x.detach()[:4])) * torch.cos(x.detach()[:4])
@@ -80,9 +156,20 @@ def test_inplace_through_another_view_after_release_is_never_silently_wrong(
             # Served from the copy taken before the write: the gradient of the forward computed.
             assert x.grad is not None
             torch.testing.assert_close(x.grad[:4], expected, rtol=0, atol=0)
+    _report(
+        record_property,
+        "inputs",
+        "in-place write through another view (original released)",
+        "raises, or serves the copy taken before the write: never a wrong gradient",
+        "clear-errors,parity",
+        faults_injected=1,
+        behaviour="raised" if error is not None else "served the pre-write copy",
+    )
 
 
-def test_inplace_racing_an_inflight_copy_raises_not_poison(transport: CPUTestTransport) -> None:
+def test_inplace_racing_an_inflight_copy_raises_not_poison(
+    transport: CPUTestTransport, record_property: Record
+) -> None:
     # The copy is still queued when the input is modified: it would read the new bytes (the test
     # transport poisons them). The engine must notice and raise, never return NaN gradients.
     x = torch.randn(4, 16, requires_grad=True)
@@ -96,13 +183,23 @@ def test_inplace_racing_an_inflight_copy_raises_not_poison(transport: CPUTestTra
         y3 = matepoint.checkpoint(torch.tanh, y2 * 1)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y3.sum().backward()
+    _report(
+        record_property,
+        "inputs",
+        "in-place write racing an in-flight copy",
+        "the copy would read the new bytes (poison): backward raises, never NaN gradients",
+        "clear-errors",
+        faults_injected=1,
+    )
 
 
 # -- threads ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("completion", ["deferred", "on_query"])
-def test_threads_training_their_own_models(completion: str, fresh_stats: None) -> None:
+def test_threads_training_their_own_models(
+    completion: str, fresh_stats: None, record_property: Record
+) -> None:
     test_transport = CPUTestTransport(completion=completion)  # type: ignore[arg-type]
     models = [Stack(depth=4, seed=seed) for seed in range(4)]
     inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
@@ -134,17 +231,33 @@ def test_threads_training_their_own_models(completion: str, fresh_stats: None) -
         for got in results[index]:
             assert_grads_equal(got, references[index])
     test_transport.drain()
-    assert settle().offloads == 4 * 15 * 4
+    offloads = settle().offloads
+    assert offloads == 4 * 15 * 4
     assert_nothing_leaked()
+    _report(
+        record_property,
+        "autograd",
+        f"threads training their own models ({completion} copies)",
+        "4 threads x 15 steps, 4 checkpoints each, one shared engine: every gradient bitwise "
+        "equal to torch",
+        "concurrency,parity,no-leak",
+        steps=4 * 15,
+        offloads=offloads,
+        **_levels("after"),
+    )
 
 
 # -- interrupts ------------------------------------------------------------------------------
 
 
-def test_keyboard_interrupt_in_forward_leaves_nothing(transport: CPUTestTransport) -> None:
+def test_keyboard_interrupt_in_forward_leaves_nothing(
+    transport: CPUTestTransport, record_property: Record
+) -> None:
     model = Stack(depth=5)
     x = torch.randn(4, 16)
     reference = grads_of(model, x, torch_ckpt)
+    assert_grads_equal(grads_of(model, x, mate_ckpt), reference)  # the pool holds one step
+    before = _levels("before")
     calls = 0
 
     def interrupted(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -169,12 +282,27 @@ def test_keyboard_interrupt_in_forward_leaves_nothing(transport: CPUTestTranspor
     # The next step works and is exact.
     assert_grads_equal(grads_of(model, x, mate_ckpt), reference)
     assert_nothing_leaked()
+    _report(
+        record_property,
+        "faults",
+        "KeyboardInterrupt in forward",
+        "interrupt in the third of five checkpoints: nothing left alive; next step equals torch",
+        "recovery,no-leak",
+        steps=3,
+        faults_injected=1,
+        **before,
+        **_restored(before),
+    )
 
 
-def test_exception_in_recompute_leaves_nothing(transport: CPUTestTransport) -> None:
+def test_exception_in_recompute_leaves_nothing(
+    transport: CPUTestTransport, record_property: Record
+) -> None:
     model = Stack(depth=4)
     x = torch.randn(4, 16)
     reference = grads_of(model, x, torch_ckpt)
+    assert_grads_equal(grads_of(model, x, mate_ckpt), reference)  # the pool holds one step
+    before = _levels("before")
     fail = {"now": False}
 
     def flaky(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -197,6 +325,17 @@ def test_exception_in_recompute_leaves_nothing(transport: CPUTestTransport) -> N
     transport.drain()
     assert_nothing_leaked()
     assert_grads_equal(grads_of(model, x, mate_ckpt), reference)
+    _report(
+        record_property,
+        "faults",
+        "exception in recompute",
+        "the error propagates from backward; nothing left alive; next step equals torch",
+        "recovery,no-leak",
+        steps=3,
+        faults_injected=1,
+        **before,
+        **_restored(before),
+    )
 
 
 # -- soak ---------------------------------------------------------------------------------------
@@ -210,7 +349,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _soak(steps: int, check_rss: bool) -> None:
+def _soak(steps: int, check_rss: bool) -> dict[str, int]:
     test_transport = CPUTestTransport(completion="deferred")
     model = Stack(depth=6, width=32)
     rng = random.Random(0)
@@ -249,15 +388,48 @@ def _soak(steps: int, check_rss: bool) -> None:
     # Every shape was seen during warm-up: the pool does not grow after it.
     assert peak_pinned <= max(pinned_at_warmup, 6 * 48 * 32 * 4 * 2)
     assert len(test_transport._channel.side.pending) == 0
+    rss_final = _rss_bytes()
     if check_rss and rss_at_warmup:
-        assert _rss_bytes() - rss_at_warmup < 64 << 20
+        assert rss_final - rss_at_warmup < 64 << 20
     assert_nothing_leaked()
+    return {
+        "steps": steps,
+        "faults_injected": steps // 10,  # graphs dropped without backward
+        "live_records_after": final.live_records,
+        "pool_in_use_bytes_after": final.pool_in_use_bytes,
+        "pool_pinned_bytes_before": pinned_at_warmup,  # after warm-up
+        "pool_pinned_bytes_after": final.pool_pinned_bytes,
+        "peak_pool_pinned_bytes": peak_pinned,
+        "rss_bytes_before": rss_at_warmup,
+        "rss_bytes_after": rss_final,
+        "offloads": final.offloads,
+    }
 
 
-def test_soak_short(fresh_stats: None) -> None:
-    _soak(100, check_rss=False)
+_SOAK_CHECKS = (
+    "6 checkpoints, 5 input shapes at random, every 10th graph dropped without backward: no "
+    "record alive and no block in use after any step; the pool does not grow after warm-up"
+)
+
+
+def test_soak_short(fresh_stats: None, record_property: Record) -> None:
+    _report(
+        record_property,
+        "long runs",
+        "soak, short",
+        _SOAK_CHECKS,
+        "bounded,no-leak",
+        **_soak(100, check_rss=False),
+    )
 
 
 @pytest.mark.slow
-def test_soak_long(fresh_stats: None) -> None:
-    _soak(1500, check_rss=True)
+def test_soak_long(fresh_stats: None, record_property: Record) -> None:
+    _report(
+        record_property,
+        "long runs",
+        "soak, long",
+        _SOAK_CHECKS + "; RSS grows less than 64 MiB after warm-up",
+        "bounded,no-leak",
+        **_soak(1500, check_rss=True),
+    )
