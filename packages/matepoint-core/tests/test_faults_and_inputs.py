@@ -272,11 +272,16 @@ def test_out_of_memory_while_copying_back(
         assert_grads_equal(grads_of(model, x, mate_ckpt), reference)
         before = levels()
         flaky.fail_next = site
-        with pytest.raises(torch.cuda.OutOfMemoryError, match="CUDA out of memory") as caught:
-            grads_of(model, x, mate_ckpt)
-        # The allocator's own error type and message reach the caller of backward unchanged.
-        assert "copy back" in str(caught.value)
-        del caught
+        if site == "prefetch":
+            # A prefetch is speculative: without room for it the input is fetched on demand.
+            assert_grads_equal(grads_of(model, x, mate_ckpt), reference)
+            assert matepoint.stats().prefetches_skipped == 1
+        else:
+            with pytest.raises(torch.cuda.OutOfMemoryError, match="CUDA out of memory") as caught:
+                grads_of(model, x, mate_ckpt)
+            # The allocator's own error type and message reach the caller of backward unchanged.
+            assert "copy back" in str(caught.value)
+            del caught
         assert flaky.faults == 1, f"no copy back from the {site} path was attempted"
         flaky.drain()
         at_fault = levels()
@@ -291,8 +296,13 @@ def test_out_of_memory_while_copying_back(
         record_property,
         area="faults",
         case=f"CUDA OOM while copying a saved input back ({site.replace('_', '-')})",
-        checks="torch.OutOfMemoryError propagates from backward with its message; "
-        "live records and pool in-use 0 after gc; next steps equal torch",
+        checks=(
+            "the prefetch is skipped and the input fetched on demand: the step's gradients "
+            "equal torch"
+            if site == "prefetch"
+            else "torch.OutOfMemoryError propagates from backward with its message"
+        )
+        + "; live records and pool in-use 0 after gc; next steps equal torch",
         guarantees="recovery,no-leak,clear-errors",
         steps=4,
         faults=flaky.faults,
@@ -437,7 +447,9 @@ def test_repeated_faults_return_to_the_same_levels(
                     except (_Injected, KeyboardInterrupt, torch.cuda.OutOfMemoryError):
                         pass
                     else:
-                        assert kind == "graph dropped without backward", f"{kind}: no fault"
+                        assert kind in ("graph dropped without backward", "OOM in prefetch"), (
+                            f"{kind}: no fault"
+                        )
                 faults += 1
                 steps += 1
                 fail["forward"] = fail["recompute"] = False

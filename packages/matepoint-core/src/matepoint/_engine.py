@@ -381,7 +381,15 @@ class ChannelEngine:
                 or candidate.original() is not None
             ):
                 continue
-            tensor, event = self.channel.copy_in(candidate.host, options.side_stream_delay_cycles)
+            try:
+                tensor, event = self.channel.copy_in(
+                    candidate.host, options.side_stream_delay_cycles
+                )
+            except torch.cuda.OutOfMemoryError:
+                # A prefetch is only ahead of need: without room for it, the record is fetched
+                # on demand when its unpack comes (which raises if memory is still short).
+                self.counters.prefetches_skipped += 1
+                return
             candidate.prefetched = tensor
             candidate.prefetch_event = event
             candidate.block.last_event = event

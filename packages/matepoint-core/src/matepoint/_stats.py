@@ -17,6 +17,7 @@ class Counters:
     bytes_fetched: int = 0
     prefetches: int = 0
     prefetch_hits: int = 0
+    prefetches_skipped: int = 0
     stash_hits: int = 0
     bytes_served_from_stash: int = 0
     dedupe_hits: int = 0
@@ -47,6 +48,8 @@ class OffloadStats(Counters):
         bytes_fetched: Their bytes.
         prefetches: Copies back started ahead of need (look-ahead).
         prefetch_hits: Unpacks served by a prefetched copy.
+        prefetches_skipped: Prefetches not started because device memory was short (those
+            inputs were fetched on demand instead).
         stash_hits: Unpacks served by the device original (stash, copy in flight, or kept alive
             elsewhere), with no copy back.
         bytes_served_from_stash: Their bytes.
@@ -94,7 +97,8 @@ def format_report(stats: OffloadStats) -> str:
         (
             "fetched back",
             f"{stats.fetches} copies, {_bytes(stats.bytes_fetched)} "
-            f"({stats.prefetches} prefetched, {stats.prefetch_hits} used)",
+            f"({stats.prefetches} prefetched, {stats.prefetch_hits} used, "
+            f"{stats.prefetches_skipped} skipped for memory)",
         ),
         (
             "served on device",
