@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import matepoint_compat
 from matepoint_examples import distributed
 
 TINY = shlex.split("--depth 3 --width 32 --heads 4 --tokens 16 --batch 4 --vocab-size 64 --steps 3")
@@ -127,6 +128,11 @@ def test_two_ranks_match_single_process(
 ) -> None:
     if mode == "fsdp2" and distributed.fully_shard_fn() is None:
         pytest.skip(f"torch {torch.__version__} has no FSDP2 fully_shard")
+    if mode == "fsdp2" and not matepoint_compat.TORCH_2_9_PLUS:
+        # torch's own FSDP2 on CPU with gloo, under torch's own checkpoint: 2.4 creates CUDA
+        # streams, 2.6 calls Stream.record_event (absent on CPU), 2.7 and 2.8 run but end 1e-2
+        # away from the single-process run. Skip can go when 2.9 is the oldest supported release.
+        pytest.skip(f"torch {torch.__version__}'s FSDP2 does not train correctly on CPU/gloo")
     report = _torchrun(
         tmp_path,
         "--model",

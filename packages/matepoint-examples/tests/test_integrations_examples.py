@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import matepoint_compat as compat
 from matepoint_examples.integrations import checkpoint_wrapper, huggingface, torch_compile
 
 
@@ -30,6 +31,12 @@ def test_checkpoint_wrapper_example_main(capsys: pytest.CaptureFixture[str]) -> 
     assert "bitwise equal" in capsys.readouterr().out
 
 
+# torch 2.4's own checkpoint fails around torch.compile'd code (aot_eager: "Detected that you are
+# using FX to symbolically trace a dynamo-optimized function"), and a failed trace leaves state
+# that breaks later tests' checkpoints; fixed in 2.5. Skip can go when 2.5 is the oldest release.
+@pytest.mark.skipif(
+    not compat.TORCH_2_5_PLUS, reason="torch 2.4's checkpoint breaks around compiled code"
+)
 # Dynamo reads .grad of non-leaf block inputs while tracing; it hides that warning, unless
 # warnings are errors.
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
