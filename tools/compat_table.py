@@ -98,6 +98,28 @@ def read_junit(path: Path) -> dict[str, Any]:
     }
 
 
+# Skips that say nothing about the torch release: no GPU, slow tests, optional libraries.
+ENVIRONMENT_SKIPS = ("gpu:", "slow:", "could not import", "needs 2 CUDA devices")
+VERSION_STRING = re.compile(r"\b\d+\.\d+\.\d+[\w.+]*")
+
+
+def read_version_skips(path: Path) -> dict[str, int]:
+    """How many tests each version-gated skip reason skipped, from one junit XML file.
+
+    Reasons naming the installed build (``torch 2.7.1+cu126's ...``) read ``2.X`` instead, so one
+    reason is one row across releases.
+    """
+    reasons: dict[str, int] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        for skipped in case.findall("skipped"):
+            message = (skipped.get("message") or "").strip()
+            if not message or message.startswith(ENVIRONMENT_SKIPS):
+                continue
+            message = VERSION_STRING.sub("2.X", message)
+            reasons[message] = reasons.get(message, 0) + 1
+    return reasons
+
+
 def _env_from_venv(release: str) -> dict[str, Any] | None:
     """Ask the session's own environment (.nox/tests-2-X) when the JSON is missing."""
     python = ROOT / ".nox" / f"tests-{release.replace('.', '-')}" / "bin" / "python"
@@ -150,10 +172,12 @@ def _row(
 def build_table(results: Path, gpu_file: Path) -> str:
     envs: dict[str, dict[str, Any] | None] = {}
     counts: dict[str, dict[str, Any] | None] = {}
+    skips: dict[str, dict[str, int] | None] = {}
     for release in RELEASES:
         xml_path = results / f"tests-{release}.xml"
         json_path = results / f"tests-{release}.json"
         counts[release] = read_junit(xml_path) if xml_path.is_file() else None
+        skips[release] = read_version_skips(xml_path) if xml_path.is_file() else None
         if json_path.is_file():
             envs[release] = json.loads(json_path.read_text(encoding="utf-8"))
         else:
@@ -231,6 +255,26 @@ def build_table(results: Path, gpu_file: Path) -> str:
                 cells.append("on" if name in env.get("shims", []) else "·")
         condition = gate if when else f"not {gate}"
         lines.append(f"| {name} | `{condition}` | " + " | ".join(cells) + " |")
+    reasons = sorted({reason for found in skips.values() if found for reason in found})
+    if reasons:
+        lines += [
+            "",
+            "## Version-gated skips per release",
+            "",
+            "Tests skipped behind a version gate, by reason and number of tests: what torch lacks",
+            "or gets wrong on that release, and tests of a shim on releases that do not need it",
+            "(no-GPU, `slow` and missing-library skips are left out).",
+            "",
+            "| reason | " + " | ".join(RELEASES) + " |",
+            "| --- | " + " | ".join(["---"] * len(RELEASES)) + " |",
+        ]
+        for reason in reasons:
+            cells = []
+            for release in RELEASES:
+                found = skips[release]
+                cells.append("-" if found is None else str(found.get(reason, "·")))
+            escaped = reason.replace("|", "\\|")
+            lines.append(f"| {escaped} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Regenerate: `nox -t tests-matrix` (or `TORCH_VERSIONS=2.4,2.15 nox -t tests-matrix`),",
