@@ -9,11 +9,13 @@ Note [Stream ordering]
     events, never by a host-side synchronize:
 
     - copy out (forward): the side stream waits on an event recorded on the compute stream at
-      pack time, so it reads the input after the kernels that produced it. The engine keeps the
-      device original referenced until it has seen the copy's event complete (and then checks
-      the original's version, so an in-place write that raced the copy is caught, never used).
-      If the autograd graph dies first, the original goes to the caching allocator with
-      ``record_stream(side)``, so its memory is not reused under the copy.
+      pack time, so it reads the input after the kernels that produced it. While its copy may
+      still run, the device original is either referenced by the engine or handed to the
+      caching allocator with ``record_stream(side)``, so its memory is never reused under the
+      copy. The engine hands it over only when nothing else references it (then nothing can
+      write it in place either); an original referenced elsewhere stays watched until the copy's
+      event has completed and its version is checked, so an in-place write that raced the copy
+      is caught, never used. A graph that dies mid-copy hands its originals over the same way.
     - copy in (backward): the destination is allocated from the side stream's pool, so no compute
       kernel can still be using that memory, and the copy starts at once. Before the compute
       stream reads it, the compute stream waits on the copy's event, and the tensor is marked

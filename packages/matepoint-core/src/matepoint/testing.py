@@ -94,7 +94,6 @@ class _CPUTestChannel:
         self.device = torch.device("cpu")
         self.owner = owner
         self.side = _FakeStream()
-        self.kept_alive: list[tuple[torch.Tensor, _FakeEvent]] = []
         # Queued copies by source, for release_after_copies (weak keys: no tensor kept alive).
         self.queued_reads: weakref.WeakKeyDictionary[Any, list[_QueuedRead]] = (
             torch.utils.weak.WeakTensorKeyDictionary()  # type: ignore[assignment]
@@ -162,7 +161,6 @@ class _CPUTestChannel:
 
     def wait(self, event: Any, measure: bool) -> Any:
         self.side.run_until(event)
-        self._prune()
         return None
 
     def hand_to_compute(self, tensor: torch.Tensor) -> None:
@@ -178,19 +176,14 @@ class _CPUTestChannel:
     def is_complete(self, event: Any) -> bool:
         if not event.done and self.owner.completion == "on_query":
             self.side.run_until(event)
-        self._prune()
         return bool(event.done)
 
     def synchronize(self, event: Any) -> float:
         self.side.run_until(event)
-        self._prune()
         return 0.0
 
     def wait_seconds(self, token: Any, block: bool) -> float | None:
         return 0.0
-
-    def _prune(self) -> None:
-        self.kept_alive = [(t, e) for t, e in self.kept_alive if not e.done]
 
 
 class CPUTestTransport:
@@ -239,7 +232,6 @@ class CPUTestTransport:
             last = self._channel.side.pending[-1][1] if self._channel.side.pending else None
         if last is not None:
             self._channel.side.run_until(last)
-        self._channel._prune()
 
 
 @contextlib.contextmanager
