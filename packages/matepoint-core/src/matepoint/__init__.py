@@ -11,7 +11,7 @@ import sys
 import matepoint_compat as _compat
 from matepoint._checkpoint import checkpoint, checkpoint_sequential
 from matepoint._errors import InplaceModificationError, MatepointError, PinnedMemoryExhausted
-from matepoint._monitor import release_pool, report, reset_stats, stats
+from matepoint._monitor import prefetch_now, release_pool, report, reset_stats, stats
 from matepoint._options import OffloadOptions, configure, get_options, options
 from matepoint._stats import OffloadStats
 
@@ -36,10 +36,12 @@ __all__ = [
     "configure",
     "get_options",
     "options",
+    "prefetch_now",
     "release_pool",
     "report",
     "reset_stats",
     "stats",
 ]
 
+_compat.register_pipeline_callback(prefetch_now)
 _compat.install_legacy_module(sys.modules[__name__])

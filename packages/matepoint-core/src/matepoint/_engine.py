@@ -364,15 +364,28 @@ class ChannelEngine:
     def _prefetch_before(self, record: Record, options: OffloadOptions) -> None:
         """Start copying back the records packed just before ``record`` (look-ahead)."""
         index = bisect.bisect_left(self._order, record.sequence)
+        self._prefetch_scan(index - 1, record.unpacks, options)
+
+    def prefetch_newest(self, options: OffloadOptions) -> None:
+        """Start copying back the newest records not yet unpacked (what backward needs first)."""
+        with self.lock:
+            self._settle_graveyard()
+            self._prefetch_scan(len(self._order) - 1, 1, options)
+
+    def _prefetch_scan(self, position: int, unpacks_below: int, options: OffloadOptions) -> None:
+        """Prefetch up to ``options.prefetch`` records at or before ``position`` in pack order.
+
+        Only records unpacked fewer than ``unpacks_below`` times count: in a second backward
+        (``retain_graph``) the ones the current pass has already unpacked are not needed again.
+        """
         started = 0
         scanned = 0
-        position = index - 1
         while position >= 0 and started < options.prefetch and scanned < _PREFETCH_SCAN_LIMIT:
             reference = self._records.get(self._order[position])
             candidate = reference() if reference is not None else None
             position -= 1
             scanned += 1
-            if candidate is None or candidate.unpacks >= record.unpacks or not candidate.pipelined:
+            if candidate is None or candidate.unpacks >= unpacks_below or not candidate.pipelined:
                 continue
             started += 1
             if (

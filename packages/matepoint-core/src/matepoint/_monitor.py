@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 from matepoint._engine import all_engines, kept_counters
+from matepoint._options import get_options
 from matepoint._stats import Counters, OffloadStats, format_report
 
-__all__ = ["release_pool", "report", "reset_stats", "stats"]
+__all__ = ["prefetch_now", "release_pool", "report", "reset_stats", "stats"]
 
 _COUNTER_NAMES = tuple(field.name for field in dataclasses.fields(Counters))
 
@@ -69,6 +70,18 @@ def report(*, synchronize: bool = False) -> str:
         ...
     """
     return format_report(stats(synchronize=synchronize))
+
+
+def prefetch_now() -> None:
+    """Start copying back, on every device, the newest offloaded inputs backward needs first.
+
+    matepoint prefetches during backward by itself; this only lets the first copies start
+    earlier, e.g. while the loss is computed. It is what the 0.1.x ``matepoint_pipeline()``
+    call does now. Uses the process-wide ``prefetch`` look-ahead.
+    """
+    options = get_options()
+    for engine in all_engines():
+        engine.prefetch_newest(options)
 
 
 def release_pool() -> int:
