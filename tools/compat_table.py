@@ -44,6 +44,7 @@ SHIMS: tuple[tuple[str, str, bool], ...] = (
     ("`early_stop=` via `set_checkpoint_early_stop`", "TORCH_2_9_PLUS", False),
     ("0-element dummy input skipped (`_NoopSaveInputs`)", "TORCH_2_12_PLUS", False),
     ("exact-size pinned blocks via `cudaHostRegister`", "TORCH_2_13_PLUS", False),
+    ("failed forward: torch's suspended checkpoint closed first", "TORCH_2_13_PLUS", False),
     ("`respect_saved_tensors_hooks=` rejected (TypeError)", "TORCH_2_14_PLUS", False),
     ("`respect_saved_tensors_hooks=False` passed with `context_fn`", "TORCH_2_14_PLUS", True),
 )

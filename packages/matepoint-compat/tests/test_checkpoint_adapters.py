@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -104,3 +105,44 @@ def test_empty_kwargs_give_a_usable_context() -> None:
     context = compat.adapt_checkpoint_kwargs(kwargs, use_reentrant=False)
     assert kwargs == {}
     _enter(context)
+
+
+# -- unwind_failed_checkpoint -----------------------------------------------------------------
+
+
+def _fail(tensor: torch.Tensor) -> torch.Tensor:
+    raise ValueError("the checkpointed function failed")
+
+
+def _failed_checkpoint_under_outer_hooks(*, unwind: bool) -> BaseException:
+    """A raising non-reentrant checkpoint inside a hook context; the error is kept alive."""
+    x = torch.randn(3, requires_grad=True) * 1
+    caught: list[BaseException] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        context = compat.unwind_failed_checkpoint() if unwind else contextlib.nullcontext()
+        try:
+            with context:
+                torch_checkpoint.checkpoint(_fail, x, use_reentrant=False)
+        except ValueError as error:
+            caught.append(error)  # its traceback keeps torch's checkpoint frame alive
+    assert len(caught) == 1
+    return caught[0]
+
+
+def test_failed_checkpoint_leaves_no_saved_tensor_hooks() -> None:
+    error = _failed_checkpoint_under_outer_hooks(unwind=True)
+    assert not compat.saved_tensors_hooks_active()
+    assert error.__traceback__ is not None  # the exception reaches the caller unchanged
+    assert "failed" in str(error)
+
+
+@pytest.mark.skipif(compat.TORCH_2_13_PLUS, reason="torch >= 2.13 unwinds a failed forward itself")
+def test_torch_before_2_13_leaves_hooks_pushed_without_the_shim() -> None:
+    error = _failed_checkpoint_under_outer_hooks(unwind=False)
+    try:
+        # The outer context popped torch's checkpoint hooks; its own are still pushed.
+        assert compat.saved_tensors_hooks_active()
+    finally:
+        del error  # with the cycle through the helper's frame gone, torch's generator closes
+        gc.collect()  # and pops the outer context's hooks
+    assert not compat.saved_tensors_hooks_active()

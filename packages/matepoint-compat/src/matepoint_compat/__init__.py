@@ -18,6 +18,7 @@ from matepoint_compat._checkpoint import (
     CHECKPOINT_SAVES_DUMMY_INPUT,
     TORCH_CHECKPOINT_KEYWORDS,
     adapt_checkpoint_kwargs,
+    unwind_failed_checkpoint,
 )
 from matepoint_compat._deprecation import MatepointDeprecationWarning, warn_deprecated
 from matepoint_compat._hooks import saved_tensors_hooks_active, saved_tensors_hooks_enabled
@@ -84,5 +85,6 @@ __all__ = [
     "stream_context",
     "tree_flatten",
     "tree_unflatten",
+    "unwind_failed_checkpoint",
     "warn_deprecated",
 ]

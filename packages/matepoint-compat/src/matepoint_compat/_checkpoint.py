@@ -8,6 +8,7 @@ torch they have.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from matepoint_compat._version import (
     TORCH_2_9_PLUS,
     TORCH_2_12_PLUS,
+    TORCH_2_13_PLUS,
     TORCH_2_14_PLUS,
     TORCH_VERSION,
 )
@@ -24,6 +26,7 @@ __all__ = [
     "CHECKPOINT_SAVES_DUMMY_INPUT",
     "TORCH_CHECKPOINT_KEYWORDS",
     "adapt_checkpoint_kwargs",
+    "unwind_failed_checkpoint",
 ]
 
 CHECKPOINT_SAVES_DUMMY_INPUT: bool = not TORCH_2_12_PLUS
@@ -93,3 +96,58 @@ def adapt_checkpoint_kwargs(
     ):
         kwargs["respect_saved_tensors_hooks"] = False
     return context
+
+
+def _close_suspended_checkpoints(traceback: types.TracebackType | None) -> None:
+    """Close the generators of torch's non-reentrant checkpoint calls in ``traceback``.
+
+    Innermost first, so each one pops the saved-tensor hooks on top of the stack.
+    """
+    generators = []
+    while traceback is not None:
+        frame = traceback.tb_frame
+        code = frame.f_code
+        if code.co_name == "checkpoint" and code.co_filename == torch_checkpoint.__file__:
+            gen = frame.f_locals.get("gen")
+            if isinstance(gen, types.GeneratorType) and gen.gi_frame is not None:
+                generators.append(gen)
+        traceback = traceback.tb_next
+    for gen in reversed(generators):
+        gen.close()
+
+
+class _UnwindFailedCheckpoint:
+    """See :func:`unwind_failed_checkpoint` (a class, not a generator: dynamo, see above)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: types.TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            _close_suspended_checkpoints(traceback)
+
+
+def unwind_failed_checkpoint() -> contextlib.AbstractContextManager[None]:
+    """A context to run torch's checkpoint in, directly inside any saved-tensor hook context.
+
+    torch 2.4-2.12 run the checkpointed function between two ``next(gen)`` calls with no
+    ``try``: when the function raises, the non-reentrant checkpoint's generator stays suspended
+    inside its saved-tensor hook context (its hooks stay pushed) for as long as the exception's
+    traceback keeps ``checkpoint``'s frame alive. A hook context around the call then pops
+    torch's hooks instead of its own, and its own stay in force for every later save in the
+    thread. On those releases this context closes the suspended generators when an exception
+    leaves it, as torch 2.13 does itself (``gen.throw``), so the hooks unwind in order. The
+    exception and its traceback are unchanged. Shim (gate ``TORCH_2_13_PLUS``) can go when torch
+    2.13 is the oldest supported release.
+
+    Returns:
+        The unwinding context on torch < 2.13, else a no-op context.
+    """
+    if TORCH_2_13_PLUS:
+        return contextlib.nullcontext()
+    return _UnwindFailedCheckpoint()

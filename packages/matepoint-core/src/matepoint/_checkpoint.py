@@ -186,7 +186,9 @@ def checkpoint(
     if not reentrant and _needs_flattening(args, function_kwargs):
         call_function, call_args = _flattened_call(function, args, function_kwargs)
         function_kwargs = {}
-    with adapted, _OffloadHooks(options, pipelined):
+    # unwind_failed_checkpoint: on torch < 2.13 a raising function leaves torch's hooks pushed
+    # above ours; it pops them first, so _OffloadHooks pops its own.
+    with adapted, _OffloadHooks(options, pipelined), compat.unwind_failed_checkpoint():
         return torch_checkpoint.checkpoint(
             call_function,
             *call_args,
