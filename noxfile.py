@@ -90,7 +90,14 @@ def _install_packages(session: nox.Session, torch_spec: str) -> None:
     Non-editable installs make the tests see what a user gets, package data and all.
     """
     session.install(torch_spec)
-    session.install(*PACKAGE_DIRS, *TEST_DEPS)
+    # uv reuses its cached build of a local folder until the folder's pyproject.toml changes, and
+    # keeps an installed copy of the same version, so a reused environment (`nox -r`) or one
+    # built from that cache would test stale sources: rebuild and reinstall the three each time.
+    # pip rebuilds local folders on its own.
+    fresh = (
+        [f"--reinstall-package={name}" for name in PACKAGES] if session.venv_backend == "uv" else []
+    )
+    session.install(*fresh, *PACKAGE_DIRS, *TEST_DEPS)
     session.run("python", "-c", SMOKE_IMPORT)
 
 
