@@ -1,6 +1,7 @@
 """Run the reliability tests and write docs/reliability.md from what they recorded.
 
-``python tools/reliability_report.py [--out FILE] [--no-slow] [--junit FILE] [-- PYTEST ARGS]``
+``python tools/reliability_report.py [--out FILE] [--no-slow] [--junit FILE] [--gpu-junit FILE]
+[-- PYTEST ARGS]``
 
 Runs (with the current interpreter) ``test_reliability.py`` and ``test_faults_and_inputs.py`` of
 matepoint-core, the long soak included, plus the tests of the other suites that cover cases of the
@@ -12,14 +13,18 @@ script turns them into the page: one table per area, the guarantees and which te
 this run, and the machine it ran on. ``nox -s reliability-report`` runs it.
 
 ``--junit FILE`` renders an existing junit XML (pytest's ``xunit1`` family, which keeps the
-properties) instead of running the tests. Exit status: pytest's (the page is written whenever
-the tests ran, failures included, so a failing run is visible on the page too).
+properties) instead of running the tests. ``--gpu-junit FILE`` (default
+``docs/_data/gpu-reliability.xml``, written by a GPU run of the ``gpu`` tests) fills the page's
+"On a GPU" section: the rows ``test_cuda_reliability.py`` recorded, with their numbers, and the
+outcome of every other GPU test; ``docs/_data/gpu-results.json`` names the machine.
+
+Exit status: pytest's (the page is written whenever the tests ran, failures included, so a
+failing run is visible on the page too).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
 import json
 import platform
@@ -34,8 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = "packages/matepoint-core/tests"
 RECORDING_FILES = (f"{TESTS}/test_reliability.py", f"{TESTS}/test_faults_and_inputs.py")
-GPU_TESTS = ROOT / TESTS / "test_cuda.py"
 GPU_RESULTS = ROOT / "docs" / "_data" / "gpu-results.json"
+GPU_JUNIT = ROOT / "docs" / "_data" / "gpu-reliability.xml"
 DEFAULT_OUT = ROOT / "docs" / "reliability.md"
 
 AREAS = (
@@ -182,6 +187,7 @@ LEVELS = (
     ("pool_in_use_bytes", "pool in use"),
     ("pool_pinned_bytes", "pool pinned"),
     ("device_bytes_held", "device held"),
+    ("device_allocated_bytes", "device allocated"),
     ("rss_bytes", "RSS"),
 )
 _DESCRIPTIVE = {"area", "case", "checks", "guarantees"}
@@ -323,44 +329,81 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _gpu_section() -> list[str]:
-    names: list[str] = []
-    if GPU_TESTS.is_file():
-        tree = ast.parse(GPU_TESTS.read_text(encoding="utf-8"))
-        names = [
-            node.name
-            for node in tree.body
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+def _area_tables(rows: list[Row], heading: str) -> list[str]:
+    """One table per area (``heading`` is the Markdown heading level), in ``AREAS`` order."""
+    lines: list[str] = []
+    for area, title in AREAS:
+        area_rows = [row for row in rows if row.area == area]
+        if not area_rows:
+            continue
+        lines += [
+            f"{heading} {title}",
+            "",
+            "| case | what is checked | outcome | numbers |",
+            "| --- | --- | --- | --- |",
         ]
+        for row in area_rows:
+            lines.append(
+                f"| {_cell(row.case)} | {_cell(row.checks)} | {_outcome_cell(row)} | "
+                f"{_cell(_numbers(row))} |"
+            )
+        lines.append("")
+    return lines
+
+
+def _gpu_section(gpu_junit: Path | None) -> list[str]:
+    """The GPU run: its recorded rows with numbers, then every other GPU test and its outcome."""
     lines = [
         "## On a GPU",
         "",
         "The rows above come from a CPU run: the engine's bookkeeping runs through "
         "`matepoint.testing.CPUTestTransport`, which defers every copy to an explicit sync point "
-        "and poisons what is read too early. What needs CUDA (stream races made visible by "
-        "delaying the side stream, a contended link, device memory flat in depth, exact pinned "
-        "sizes) comes from a GPU run instead, `nox -s gpu`, the tests marked `gpu` in "
-        "`test_cuda.py`: " + ", ".join(f"`{name}`" for name in names) + ".",
+        "and poisons what is read too early. The rows below come from a GPU run of the tests "
+        "marked `gpu` (`nox -s gpu -- --run-slow --junitxml=docs/_data/gpu-reliability.xml`): "
+        "the same faults through the CUDA transport, where copies run on a real side stream, "
+        "originals go back to the caching allocator and out-of-memory errors come from the "
+        "allocator itself, plus the race probes (the side stream delayed before each copy, a "
+        "contended link) and device memory flat in depth. *device allocated* is "
+        "`torch.cuda.memory_allocated()` after `empty_cache()`.",
         "",
     ]
+    info: dict[str, object] = {}
     if GPU_RESULTS.is_file():
-        gpu = json.loads(GPU_RESULTS.read_text(encoding="utf-8"))
-        counts = ", ".join(
-            f"{gpu[key]} {key}" for key in ("passed", "failed", "skipped") if key in gpu
-        )
-        where = gpu.get("machine") or gpu.get("device") or "a GPU machine"
-        when = f" on {gpu['date']}" if "date" in gpu else ""
-        lines.append(
-            f"The latest recorded GPU run ([`_data/gpu-results.json`](_data/gpu-results.json)): "
-            f"{where}, torch {gpu.get('torch', '?')}{when}: {counts}."
-        )
-    else:
-        lines.append("No GPU run is recorded in `docs/_data/gpu-results.json`.")
-    lines.append("")
+        info = json.loads(GPU_RESULTS.read_text(encoding="utf-8"))
+    if gpu_junit is None or not gpu_junit.is_file():
+        lines += ["No GPU run is recorded in `docs/_data/gpu-reliability.xml`.", ""]
+        return lines
+    rows = read_rows(gpu_junit)
+    runs = [outcome for row in rows for outcome in row.outcomes]
+    failed = sum(1 for outcome in runs if outcome in ("failed", "error"))
+    skipped = runs.count("skipped")
+    where = info.get("machine") or "a GPU machine"
+    when = f" on {info['date']}" if "date" in info else ""
+    lines += [
+        f"- Run: {where}, torch {info.get('torch', '?')}{when} "
+        f"([`_data/gpu-reliability.xml`](_data/gpu-reliability.xml)).",
+        f"- {len(runs)} test runs: {len(runs) - failed - skipped} passed, {failed} failed, "
+        f"{skipped} skipped.",
+        "",
+    ]
+    recorded = [row for row in rows if row.checks != "(recorded nothing)"]
+    lines += _area_tables(recorded, "###")
+    others = [row for row in rows if row.checks == "(recorded nothing)"]
+    if others:
+        lines += [
+            "### Race probes and other GPU tests",
+            "",
+            "| test | outcome |",
+            "| --- | --- |",
+        ]
+        lines += [f"| `{_cell(row.case)}` | {_outcome_cell(row)} |" for row in others]
+        lines.append("")
     return lines
 
 
-def render(rows: list[Row], environment: dict[str, str], seconds: float) -> str:
+def render(
+    rows: list[Row], environment: dict[str, str], seconds: float, gpu_junit: Path | None = None
+) -> str:
     """The Markdown page."""
     runs = [outcome for row in rows for outcome in row.outcomes]
     failed = sum(1 for outcome in runs if outcome in ("failed", "error"))
@@ -405,22 +448,7 @@ def render(rows: list[Row], environment: dict[str, str], seconds: float) -> str:
             status = f"shown by {passed} passing runs of {len(backing)} cases"
         lines.append(f"- **{key}**: {statement} ({status}.)")
     lines.append("")
-    for area, title in AREAS:
-        area_rows = [row for row in rows if row.area == area]
-        if not area_rows:
-            continue
-        lines += [
-            f"## {title}",
-            "",
-            "| case | what is checked | outcome | numbers |",
-            "| --- | --- | --- | --- |",
-        ]
-        for row in area_rows:
-            lines.append(
-                f"| {_cell(row.case)} | {_cell(row.checks)} | {_outcome_cell(row)} | "
-                f"{_cell(_numbers(row))} |"
-            )
-        lines.append("")
+    lines += _area_tables(rows, "##")
     other = [row for row in rows if row.area not in dict(AREAS)]
     if other:
         lines += ["## Other", "", "| case | outcome |", "| --- | --- |"]
@@ -432,7 +460,7 @@ def render(rows: list[Row], environment: dict[str, str], seconds: float) -> str:
         "same session.",
         "",
     ]
-    lines += _gpu_section()
+    lines += _gpu_section(gpu_junit)
     return "\n".join(lines)
 
 
@@ -475,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the page to write")
     parser.add_argument("--no-slow", action="store_true", help="leave out the long soak")
     parser.add_argument("--junit", type=Path, help="render this junit XML, run nothing")
+    parser.add_argument(
+        "--gpu-junit",
+        type=Path,
+        default=GPU_JUNIT,
+        help="a GPU run's junit XML for the 'On a GPU' section (default: %(default)s)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="reliability-") as folder:
@@ -488,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         root = ET.parse(junit).getroot()
         suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
         seconds = sum(float(suite.get("time", "0")) for suite in suites)
-        page = render(read_rows(junit), _environment(), seconds)
+        page = render(read_rows(junit), _environment(), seconds, args.gpu_junit)
     args.out.write_text(page, encoding="utf-8")
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
     return status

@@ -11,61 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-import torch.utils.checkpoint as torch_checkpoint
+from _cuda_helpers import TOKENS, WIDTH, make_stack, run_blocks, torch_ckpt, train_step
 
 import matepoint
 
 pytestmark = pytest.mark.gpu
-
-WIDTH = 1024
-TOKENS = 4096
-
-
-class Block(torch.nn.Module):
-    """A pre-norm MLP block with dropout: enough compute to overlap copies, RNG to preserve."""
-
-    def __init__(self, width: int, dropout: float = 0.1) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(width)
-        self.up = torch.nn.Linear(width, 4 * width)
-        self.down = torch.nn.Linear(4 * width, width)
-        self.dropout = dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.down(F.gelu(self.up(self.norm(x))))
-        return x + F.dropout(h, self.dropout, self.training)
-
-
-def _stack(depth: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.ModuleList:
-    torch.manual_seed(seed)
-    return torch.nn.ModuleList(Block(WIDTH) for _ in range(depth)).to("cuda", dtype)
-
-
-def _forward(
-    blocks: torch.nn.ModuleList, x: torch.Tensor, checkpoint_fn: Callable[..., Any]
-) -> torch.Tensor:
-    h = x
-    for block in blocks:
-        h = checkpoint_fn(block, h)
-    return h
-
-
-def _train_step(
-    depth: int, checkpoint_fn: Callable[..., Any], dtype: torch.dtype = torch.float32
-) -> list[torch.Tensor]:
-    blocks = _stack(depth, dtype)
-    torch.manual_seed(1)
-    x = torch.randn(TOKENS, WIDTH, device="cuda", dtype=dtype, requires_grad=True)
-    torch.cuda.manual_seed(2)
-    out = _forward(blocks, x, checkpoint_fn)
-    out.float().square().mean().backward()
-    torch.cuda.synchronize()
-    return [p.grad.clone() for p in blocks.parameters() if p.grad is not None] + [x.grad.clone()]
-
-
-def _torch_ckpt(block: torch.nn.Module, x: torch.Tensor) -> Any:
-    return torch_checkpoint.checkpoint(block, x, use_reentrant=False)
 
 
 @pytest.fixture(autouse=True)
@@ -81,13 +31,13 @@ def _fresh_stats() -> Iterator[None]:
 def test_gradients_bitwise_equal_to_torch_checkpoint(
     dtype: torch.dtype, pipeline: bool, prefetch: int
 ) -> None:
-    reference = _train_step(8, _torch_ckpt, dtype)
+    reference = train_step(8, torch_ckpt, dtype)
     options = matepoint.OffloadOptions(prefetch=prefetch)
 
     def mate(block: torch.nn.Module, x: torch.Tensor) -> Any:
         return matepoint.checkpoint(block, x, pipeline=pipeline, offload=options)
 
-    result = _train_step(8, mate, dtype)
+    result = train_step(8, mate, dtype)
     stats = matepoint.stats()
     assert stats.offloads >= 7
     assert stats.fetches >= 1
@@ -95,11 +45,11 @@ def test_gradients_bitwise_equal_to_torch_checkpoint(
 
 
 def _held_after_forward(depth: int, checkpoint_fn: Callable[..., Any]) -> int:
-    blocks = _stack(depth)
+    blocks = make_stack(depth)
     x = torch.randn(TOKENS, WIDTH, device="cuda", requires_grad=True)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    out = _forward(blocks, x, checkpoint_fn)
+    out = run_blocks(blocks, x, checkpoint_fn)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
     out.sum().backward()
@@ -115,7 +65,7 @@ def test_device_memory_after_forward_flat_in_depth() -> None:
         return matepoint.checkpoint(block, x)
 
     held = {depth: _held_after_forward(depth, mate) for depth in (16, 64)}
-    torch_held = {depth: _held_after_forward(depth, _torch_ckpt) for depth in (16, 64)}
+    torch_held = {depth: _held_after_forward(depth, torch_ckpt) for depth in (16, 64)}
     print(
         f"\n[gpu] device bytes held after forward: matepoint 16 blocks={held[16]} "
         f"64 blocks={held[64]}; torch checkpoint 16={torch_held[16]} 64={torch_held[64]}; "
@@ -132,9 +82,9 @@ def test_pinned_host_memory_is_exact_size() -> None:
     def mate(block: torch.nn.Module, x: torch.Tensor) -> Any:
         return matepoint.checkpoint(block, x)
 
-    _train_step(8, mate)
+    train_step(8, mate)
     first = matepoint.stats()
-    _train_step(8, mate)
+    train_step(8, mate)
     second = matepoint.stats()
     offloaded_per_step = first.bytes_offloaded
     print(
@@ -147,7 +97,7 @@ def test_pinned_host_memory_is_exact_size() -> None:
 
 @pytest.mark.parametrize("delay_cycles", [2_000_000, 20_000_000])
 def test_delayed_side_stream_keeps_gradients_exact(delay_cycles: int) -> None:
-    reference = _train_step(6, _torch_ckpt)
+    reference = train_step(6, torch_ckpt)
     # No bytes in flight allowed: every original is released as soon as its delayed copy ends,
     # so backward must bring each input back through the delayed side stream.
     options = matepoint.OffloadOptions(
@@ -157,14 +107,14 @@ def test_delayed_side_stream_keeps_gradients_exact(delay_cycles: int) -> None:
     def mate(block: torch.nn.Module, x: torch.Tensor) -> Any:
         return matepoint.checkpoint(block, x, offload=options)
 
-    result = _train_step(6, mate)
+    result = train_step(6, mate)
     assert matepoint.stats().fetches >= 1
     assert all(torch.equal(a, b) for a, b in zip(reference, result, strict=True))
 
 
 def test_contended_link_keeps_gradients_exact() -> None:
     """Another thread floods the copy engines while matepoint trains: numbers must not change."""
-    reference = _train_step(6, _torch_ckpt)
+    reference = train_step(6, torch_ckpt)
     stop = threading.Event()
     big_host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
     big_device = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -184,7 +134,7 @@ def test_contended_link_keeps_gradients_exact() -> None:
         def mate(block: torch.nn.Module, x: torch.Tensor) -> Any:
             return matepoint.checkpoint(block, x)
 
-        results = [_train_step(6, mate) for _ in range(3)]
+        results = [train_step(6, mate) for _ in range(3)]
     finally:
         stop.set()
         worker.join()
@@ -193,7 +143,7 @@ def test_contended_link_keeps_gradients_exact() -> None:
 
 
 def test_inplace_modification_after_forward_raises() -> None:
-    blocks = _stack(2)
+    blocks = make_stack(2)
     x = torch.randn(TOKENS, WIDTH, device="cuda", requires_grad=True)
     h = x * 1.0
     out = matepoint.checkpoint(blocks[0], h)
@@ -207,7 +157,46 @@ def test_compute_wait_is_measured_and_report_renders() -> None:
     def mate(block: torch.nn.Module, x: torch.Tensor) -> Any:
         return matepoint.checkpoint(block, x, offload=matepoint.OffloadOptions(prefetch=0))
 
-    _train_step(8, mate)
+    train_step(8, mate)
     stats = matepoint.stats(synchronize=True)
     assert stats.compute_wait_seconds > 0
     assert "matepoint offload report" in matepoint.report()
+
+
+def test_two_devices_in_one_process_use_their_own_channels() -> None:
+    """Half the blocks on cuda:0, half on cuda:1: one engine per device, exact gradients.
+
+    The current device stays cuda:0 throughout, so the cuda:1 copies must pick their device from
+    the tensor, not from the current-device setting.
+    """
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    from matepoint import _engine
+
+    def step(checkpoint_fn: Callable[..., Any]) -> list[torch.Tensor]:
+        first = make_stack(3, seed=0, device="cuda:0")
+        second = make_stack(3, seed=1, device="cuda:1")
+        torch.manual_seed(1)
+        x = torch.randn(TOKENS, WIDTH, device="cuda:0", requires_grad=True)
+        torch.cuda.manual_seed_all(2)
+        h = run_blocks(first, x, checkpoint_fn)
+        out = run_blocks(second, h.to("cuda:1"), checkpoint_fn)
+        out.square().mean().backward()
+        for index in (0, 1):
+            torch.cuda.synchronize(index)
+        blocks = [*first.parameters(), *second.parameters()]
+        return [p.grad.clone() for p in blocks if p.grad is not None] + [x.grad.clone()]
+
+    reference = step(torch_ckpt)
+
+    def mate(block: torch.nn.Module, x: torch.Tensor) -> Any:
+        return matepoint.checkpoint(
+            block, x, offload=matepoint.OffloadOptions(prefetch=2, max_inflight_bytes=0)
+        )
+
+    result = step(mate)
+    names = {engine.name for engine in _engine.all_engines()}
+    print(f"\n[gpu] engines after a two-device step: {sorted(names)}")
+    assert {"('cuda', 0)", "('cuda', 1)"} <= names
+    assert matepoint.stats(synchronize=True).offloads >= 5
+    assert all(torch.equal(a, b) for a, b in zip(reference, result, strict=True))

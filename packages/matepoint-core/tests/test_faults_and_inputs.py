@@ -34,6 +34,7 @@ from _helpers import (
     mate_ckpt,
     torch_ckpt,
 )
+from _recording import Record, report, rss_bytes
 from torch.utils import _pytree as pytree
 
 import matepoint
@@ -42,19 +43,7 @@ from matepoint.testing import CPUTestTransport, _CPUTestChannel, use_transport
 DEPTH = 4
 ONE = 4 * 16 * 4  # bytes of one (4, 16) float32 block input
 
-Record = Callable[[str, object], None]
-"""pytest's ``record_property`` fixture."""
-
-
 # -- numbers for the report ----------------------------------------------------------------------
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * 4096
-    except OSError:  # not Linux
-        return 0
 
 
 def levels() -> dict[str, int]:
@@ -66,7 +55,7 @@ def levels() -> dict[str, int]:
         "pool_in_use_bytes": snapshot.pool_in_use_bytes,
         "pool_pinned_bytes": snapshot.pool_pinned_bytes,
         "device_bytes_held": snapshot.device_bytes_held,
-        "rss_bytes": _rss_bytes(),
+        "rss_bytes": rss_bytes(),
     }
 
 
@@ -75,39 +64,6 @@ def assert_levels_restored(before: dict[str, int], after: dict[str, int]) -> Non
     for name, value in before.items():
         if name != "rss_bytes":
             assert after[name] == value, f"{name}: {value} before the fault, {after[name]} after"
-
-
-def report(
-    record_property: Record,
-    *,
-    area: str,
-    case: str,
-    checks: str,
-    guarantees: str,
-    steps: int | None = None,
-    faults: int | None = None,
-    before: dict[str, int] | None = None,
-    after: dict[str, int] | None = None,
-    **numbers: object,
-) -> None:
-    """Record a test's description and numbers for ``tools/reliability_report.py``.
-
-    ``area`` is the report's section (faults, inputs, autograd, long runs); ``guarantees`` the
-    comma-separated guarantees the test backs (the report's guarantees section names them).
-    """
-    record_property("area", area)
-    record_property("case", case)
-    record_property("checks", checks)
-    record_property("guarantees", guarantees)
-    if steps is not None:
-        record_property("steps", steps)
-    if faults is not None:
-        record_property("faults_injected", faults)
-    for stage, values in (("before", before), ("after", after)):
-        for name, value in (values or {}).items():
-            record_property(f"{name}_{stage}", value)
-    for name, number in numbers.items():
-        record_property(name, number)
 
 
 @pytest.fixture(autouse=True)

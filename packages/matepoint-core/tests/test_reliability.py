@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import random
 import threading
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,12 +21,10 @@ from _helpers import (
     settle,
     torch_ckpt,
 )
+from _recording import Record, rss_bytes
 
 import matepoint
 from matepoint.testing import CPUTestTransport, use_transport
-
-Record = Callable[[str, object], None]
-"""pytest's ``record_property`` fixture."""
 
 
 def _report(
@@ -53,7 +50,7 @@ def _levels(stage: str) -> dict[str, int]:
         f"pool_in_use_bytes_{stage}": snapshot.pool_in_use_bytes,
         f"pool_pinned_bytes_{stage}": snapshot.pool_pinned_bytes,
         f"device_bytes_held_{stage}": snapshot.device_bytes_held,
-        f"rss_bytes_{stage}": _rss_bytes(),
+        f"rss_bytes_{stage}": rss_bytes(),
     }
 
 
@@ -341,14 +338,6 @@ def test_exception_in_recompute_leaves_nothing(
 # -- soak ---------------------------------------------------------------------------------------
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * 4096
-    except OSError:  # not Linux
-        return 0
-
-
 def _soak(steps: int, check_rss: bool) -> dict[str, int]:
     test_transport = CPUTestTransport(completion="deferred")
     model = Stack(depth=6, width=32)
@@ -378,7 +367,7 @@ def _soak(steps: int, check_rss: bool) -> dict[str, int]:
             if step == warmup:
                 gc.collect()
                 pinned_at_warmup = snapshot.pool_pinned_bytes
-                rss_at_warmup = _rss_bytes()
+                rss_at_warmup = rss_bytes()
             if step > warmup:
                 peak_pinned = max(peak_pinned, snapshot.pool_pinned_bytes)
         test_transport.drain()
@@ -388,7 +377,7 @@ def _soak(steps: int, check_rss: bool) -> dict[str, int]:
     # Every shape was seen during warm-up: the pool does not grow after it.
     assert peak_pinned <= max(pinned_at_warmup, 6 * 48 * 32 * 4 * 2)
     assert len(test_transport._channel.side.pending) == 0
-    rss_final = _rss_bytes()
+    rss_final = rss_bytes()
     if check_rss and rss_at_warmup:
         assert rss_final - rss_at_warmup < 64 << 20
     assert_nothing_leaked()

@@ -1,0 +1,92 @@
+"""Profile the host side of a benchmark workload's forward pass, per strategy.
+
+``python tools/profile_host.py [--workload gpt12] [--strategies torch,matepoint] [--steps 5]``
+
+On a launch-bound workload the host's time to enqueue the forward is the step time, so every
+microsecond matepoint spends per offload shows up in it. For each strategy this builds the
+workload (as ``matepoint-bench`` does), runs warm-up steps, then times the forward's enqueue
+(``perf_counter`` around the forward, no synchronize inside it) and the whole step over
+``--steps`` steps, and prints the median of each. With ``--profile`` it also runs the forward of
+the last strategy under cProfile and prints the functions with the most own time: where the
+host's extra time goes. Needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+from matepoint_examples._bench_worker import _one_step
+from matepoint_examples._workloads import build, get_workload
+from matepoint_examples.strategies import get_strategy
+
+
+def _measure(workload_name: str, strategy_name: str, steps: int, profile: bool) -> str:
+    device = torch.device("cuda")
+    strategy = get_strategy(strategy_name)
+    with strategy.session(device):
+        built = build(get_workload(workload_name), strategy.checkpoint_fn, device)
+        for _ in range(3):
+            _one_step(built, strategy)
+        torch.cuda.synchronize()
+        enqueue: list[float] = []
+        whole: list[float] = []
+        for _ in range(steps):
+            built.model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with strategy.forward_context():
+                loss = built.loss()
+            enqueued = time.perf_counter()
+            torch.autograd.backward(loss)
+            torch.cuda.synchronize()
+            enqueue.append(enqueued - start)
+            whole.append(time.perf_counter() - start)
+            del loss
+        text = (
+            f"{workload_name} / {strategy_name}: forward enqueue "
+            f"{1e3 * statistics.median(enqueue):.2f} ms, step {1e3 * statistics.median(whole):.2f}"
+            " ms (medians)\n"
+        )
+        if profile:
+            profiler = cProfile.Profile()
+            built.model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            with strategy.forward_context():
+                profiler.enable()
+                loss = built.loss()
+                profiler.disable()
+            torch.autograd.backward(loss)
+            torch.cuda.synchronize()
+            stream = io.StringIO()
+            pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(30)
+            text += stream.getvalue()
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--workload", default="gpt12")
+    parser.add_argument("--strategies", default="torch,matepoint")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="cProfile the last strategy")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_host.py needs a CUDA device", file=sys.stderr)
+        return 2
+    names = args.strategies.split(",")
+    for index, name in enumerate(names):
+        profile = args.profile and index == len(names) - 1
+        print(_measure(args.workload, name, args.steps, profile), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
