@@ -8,7 +8,10 @@ workload (as ``matepoint-bench`` does), runs warm-up steps, then times the forwa
 (``perf_counter`` around the forward, no synchronize inside it) and the whole step over
 ``--steps`` steps, and prints the median of each. With ``--profile`` it also runs the forward of
 the last strategy under cProfile and prints the functions with the most own time: where the
-host's extra time goes. Needs a CUDA device.
+host's extra time goes. With ``--trace`` it runs one whole step of every strategy under
+``torch.profiler`` (CPU and CUDA activity) and prints the operators and CUDA runtime calls with
+the most own host time, then those with the most device time: a blocking runtime call or a
+kernel that only one strategy runs shows up there. Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pstats
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -28,7 +32,24 @@ from matepoint_examples._workloads import build, get_workload
 from matepoint_examples.strategies import get_strategy
 
 
-def _measure(workload_name: str, strategy_name: str, steps: int, profile: bool) -> str:
+def _trace_step(built: Any, strategy: Any) -> str:
+    """One step under torch.profiler: the top host-time and device-time rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    built.model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        with strategy.forward_context():
+            loss = built.loss()
+        torch.autograd.backward(loss)
+        torch.cuda.synchronize()
+    averages = trace.key_averages()
+    host = averages.table(sort_by="self_cpu_time_total", row_limit=25)
+    device = averages.table(sort_by="self_cuda_time_total", row_limit=20)
+    return f"{host}\n{device}\n"
+
+
+def _measure(workload_name: str, strategy_name: str, steps: int, profile: bool, trace: bool) -> str:
     device = torch.device("cuda")
     strategy = get_strategy(strategy_name)
     with strategy.session(device):
@@ -68,6 +89,8 @@ def _measure(workload_name: str, strategy_name: str, steps: int, profile: bool) 
             stream = io.StringIO()
             pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(30)
             text += stream.getvalue()
+        if trace:
+            text += _trace_step(built, strategy)
     return text
 
 
@@ -77,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default="torch,matepoint")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="cProfile the last strategy")
+    parser.add_argument("--trace", action="store_true", help="torch.profiler, every strategy")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_host.py needs a CUDA device", file=sys.stderr)
@@ -84,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.strategies.split(",")
     for index, name in enumerate(names):
         profile = args.profile and index == len(names) - 1
-        print(_measure(args.workload, name, args.steps, profile), flush=True)
+        print(_measure(args.workload, name, args.steps, profile, args.trace), flush=True)
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import random
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -36,6 +37,12 @@ ONE_INPUT = TOKENS * WIDTH * 4  # bytes of one fp32 block input
 
 @pytest.fixture(autouse=True)
 def _clean_start() -> Iterator[None]:
+    # pytest keeps the last failed test's traceback in sys.last_*; its frames would keep that
+    # test's graphs (and their records) alive into this one.
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+    gc.collect()
     torch.cuda.synchronize()
     matepoint.release_pool()
     matepoint.reset_stats()
@@ -72,22 +79,23 @@ def assert_restored(before: dict[str, int], after: dict[str, int]) -> None:
 
 
 class Faulty:
-    """Calls a block, raising ``error`` on the ``fail_at``-th call (forward and recompute count).
+    """Calls a block, raising ``error("injected")`` on the ``fail_at``-th call.
 
     A forward pass over ``DEPTH`` blocks makes calls ``0 .. DEPTH - 1``; recomputation in
-    backward continues the count from the last block down.
+    backward continues the count from the last block down. Each fault raises a new exception:
+    a stored instance would keep its last traceback, and with it the failed step's graph, alive.
     """
 
     def __init__(self) -> None:
         self.calls = 0
         self.fail_at: int | None = None
-        self.error: BaseException = RuntimeError("injected")
+        self.error: type[BaseException] = RuntimeError
 
     def __call__(self, block: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         index = self.calls
         self.calls += 1
         if index == self.fail_at:
-            raise self.error
+            raise self.error("injected")
         result: torch.Tensor = block(h)
         return result
 
@@ -183,7 +191,7 @@ def test_fault_leaves_nothing_and_next_step_is_exact(
         with pytest.raises(RuntimeError, match="injected"):
             _step(blocks, x0, mate)
     elif fault == "KeyboardInterrupt in forward":
-        faulty.calls, faulty.fail_at, faulty.error = 0, DEPTH - 1, KeyboardInterrupt()
+        faulty.calls, faulty.fail_at, faulty.error = 0, DEPTH - 1, KeyboardInterrupt
         with pytest.raises(KeyboardInterrupt):
             _step(blocks, x0, mate)
     elif fault == "graph dropped with copies in flight":

@@ -136,7 +136,7 @@ def test_worker_on_cuda_holds_less_than_torch(capsys: pytest.CaptureFixture[str]
         result = _worker_json(
             capsys, [*args, "--depth", "8", "--batch", "1", "--strategy", strategy]
         )
-        assert result["status"] == "ok", result
+        assert result["status"] == "ok", f"{result.get('note')}\n{result.get('traceback')}"
         assert result["timeline"]
         held[strategy] = result["held_after_forward_bytes"]
     assert held["matepoint"] < held["torch"]
