@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gzip
 import io
 import pstats
+import shutil
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,8 +35,12 @@ from matepoint_examples._workloads import build, get_workload
 from matepoint_examples.strategies import get_strategy
 
 
-def _trace_step(built: Any, strategy: Any) -> str:
-    """One step under torch.profiler: the top host-time and device-time rows."""
+def _trace_step(built: Any, strategy: Any, chrome_trace: Path | None) -> str:
+    """One step under torch.profiler: the top host-time and device-time rows.
+
+    With ``chrome_trace`` the step's timeline is also written there, gzipped (chrome://tracing
+    or Perfetto open it): which stream ran what when, and where the host waited.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     built.model.zero_grad(set_to_none=True)
@@ -43,13 +50,26 @@ def _trace_step(built: Any, strategy: Any) -> str:
             loss = built.loss()
         torch.autograd.backward(loss)
         torch.cuda.synchronize()
+    if chrome_trace is not None:
+        raw = chrome_trace.with_suffix("")
+        trace.export_chrome_trace(str(raw))
+        with raw.open("rb") as source, gzip.open(chrome_trace, "wb") as target:
+            shutil.copyfileobj(source, target)
+        raw.unlink()
     averages = trace.key_averages()
     host = averages.table(sort_by="self_cpu_time_total", row_limit=25)
     device = averages.table(sort_by="self_cuda_time_total", row_limit=20)
     return f"{host}\n{device}\n"
 
 
-def _measure(workload_name: str, strategy_name: str, steps: int, profile: bool, trace: bool) -> str:
+def _measure(
+    workload_name: str,
+    strategy_name: str,
+    steps: int,
+    profile: bool,
+    trace: bool,
+    trace_dir: Path | None = None,
+) -> str:
     device = torch.device("cuda")
     strategy = get_strategy(strategy_name)
     with strategy.session(device):
@@ -90,7 +110,10 @@ def _measure(workload_name: str, strategy_name: str, steps: int, profile: bool, 
             pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(30)
             text += stream.getvalue()
         if trace:
-            text += _trace_step(built, strategy)
+            path = None
+            if trace_dir is not None:
+                path = trace_dir / f"{workload_name}-{strategy_name}.json.gz"
+            text += _trace_step(built, strategy, path)
     return text
 
 
@@ -101,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="cProfile the last strategy")
     parser.add_argument("--trace", action="store_true", help="torch.profiler, every strategy")
+    parser.add_argument(
+        "--trace-dir", type=Path, help="with --trace: write each step's Chrome trace here"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_host.py needs a CUDA device", file=sys.stderr)
@@ -108,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.strategies.split(",")
     for index, name in enumerate(names):
         profile = args.profile and index == len(names) - 1
-        print(_measure(args.workload, name, args.steps, profile, args.trace), flush=True)
+        text = _measure(args.workload, name, args.steps, profile, args.trace, args.trace_dir)
+        print(text, flush=True)
     return 0
 
 

@@ -245,7 +245,7 @@ def test_pinned_pool_cap_exhausted(policy: str, record_property: Record) -> None
     wide = torch.randn(TOKENS + 512, WIDTH, device="cuda")  # new sizes: the pool must allocate
     reference = _step(blocks, x0, torch_ckpt)
     wide_reference = _step(blocks, wide, torch_ckpt)
-    mate = _mate(prefetch=2)
+    mate = _mate()  # no per-call options: the process-wide cap and policy below apply
     _equal(_step(blocks, x0, mate), reference)
     before = levels()
     caught_warnings: list[warnings.WarningMessage] = []
