@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import gzip
 import io
 import pstats
@@ -33,6 +34,22 @@ import torch
 from matepoint_examples._bench_worker import _one_step
 from matepoint_examples._workloads import build, get_workload
 from matepoint_examples.strategies import get_strategy
+
+
+class _GcPauses:
+    """A ``gc.callbacks`` entry that adds up the time spent in garbage collection."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.collections += 1
 
 
 def _trace_step(built: Any, strategy: Any, chrome_trace: Path | None) -> str:
@@ -79,6 +96,8 @@ def _measure(
         torch.cuda.synchronize()
         enqueue: list[float] = []
         whole: list[float] = []
+        pauses = _GcPauses()
+        gc.callbacks.append(pauses)
         for _ in range(steps):
             built.model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
@@ -91,10 +110,12 @@ def _measure(
             enqueue.append(enqueued - start)
             whole.append(time.perf_counter() - start)
             del loss
+        gc.callbacks.remove(pauses)
         text = (
             f"{workload_name} / {strategy_name}: forward enqueue "
             f"{1e3 * statistics.median(enqueue):.2f} ms, step {1e3 * statistics.median(whole):.2f}"
-            " ms (medians)\n"
+            f" ms (medians); garbage collection {1e3 * pauses.seconds / steps:.2f} ms and "
+            f"{pauses.collections / steps:.1f} collections per step\n"
         )
         if profile:
             profiler = cProfile.Profile()

@@ -11,6 +11,7 @@ from matepoint_compat._accelerator import (
     device_module,
     new_event,
     new_stream,
+    set_current_stream,
     storage_use_count,
     stream_context,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "register_pipeline_callback",
     "saved_tensors_hooks_active",
     "saved_tensors_hooks_enabled",
+    "set_current_stream",
     "storage_use_count",
     "stream_context",
     "tree_flatten",

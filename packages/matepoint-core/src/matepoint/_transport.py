@@ -20,6 +20,9 @@ Note [Stream ordering]
       kernel can still be using that memory, and the copy starts at once. Before the compute
       stream reads it, the compute stream waits on the copy's event, and the tensor is marked
       ``record_stream(compute)`` so the allocator does not reuse it before compute is done.
+    - one ``compute_done`` event per channel is re-recorded for every copy out: a stream's wait
+      on an event waits for the event's most recent record at the time of the wait call, so
+      re-recording it later never changes a wait already queued.
     - host blocks are written and read only by the one side stream of their device, so a block
       returned to the pool can be reused by the next copy without a wait: the stream orders them.
       Synchronous copies (``pipeline=False``) on the compute stream first wait on the block's last
@@ -29,7 +32,7 @@ Note [Stream ordering]
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import torch
@@ -95,11 +98,20 @@ class Transport(Protocol):
 
 
 class _CudaChannel:
-    """A CUDA device's side stream and copy operations. See Note [Stream ordering]."""
+    """A CUDA device's side stream and copy operations. See Note [Stream ordering].
+
+    The copy-out path runs once per checkpoint in forward, which is often launch-bound, so its
+    host cost is kept low: the device's module and index are looked up once, the compute-done
+    event is reused, and the side stream is made current with one call when the copy's device
+    is the current device (the usual case).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.index = device.index
+        self._module = compat.device_module(device)
         self.side_stream = compat.new_stream(device)
+        self._compute_done = compat.new_event(device)
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         return compat.allocate_pinned(nbytes)
@@ -107,29 +119,42 @@ class _CudaChannel:
     def allocate_pageable(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def _after_compute(self, delay_cycles: int) -> None:
-        compute_done = compat.new_event(self.device)
-        compute_done.record(compat.current_stream(self.device))
-        self.side_stream.wait_event(compute_done)
-        compat.delay_stream(self.side_stream, delay_cycles)
+    def _compute_stream(self) -> Any:
+        return self._module.current_stream(self.index)
+
+    def _on_side_stream(self, compute: Any, copy: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run ``copy`` with the side stream current, then make ``compute`` current again."""
+        if self._module.current_device() != self.index:
+            with compat.stream_context(self.side_stream):
+                return copy()
+        compat.set_current_stream(self._module, self.side_stream)
+        try:
+            return copy()
+        finally:
+            compat.set_current_stream(self._module, compute)
 
     def copy_out(self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int) -> Any:
-        self._after_compute(delay_cycles)
-        with compat.stream_context(self.side_stream):
-            host.copy_(source, non_blocking=True)
-            done = compat.new_event(self.device)
-            done.record(self.side_stream)
+        compute = self._compute_stream()
+        self._compute_done.record(compute)
+        self.side_stream.wait_event(self._compute_done)
+        compat.delay_stream(self.side_stream, delay_cycles)
+        self._on_side_stream(compute, lambda: host.copy_(source, non_blocking=True))
+        done = self._module.Event()
+        done.record(self.side_stream)
         return done
 
     def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
         compat.delay_stream(self.side_stream, delay_cycles)
-        with compat.stream_context(self.side_stream):
+
+        def copy() -> torch.Tensor:
             target = torch.empty_strided(
                 host.size(), host.stride(), dtype=host.dtype, device=self.device
             )
-            target.copy_(host, non_blocking=True)
-            done = compat.new_event(self.device)
-            done.record(self.side_stream)
+            return target.copy_(host, non_blocking=True)
+
+        target = self._on_side_stream(self._compute_stream(), copy)
+        done = self._module.Event()
+        done.record(self.side_stream)
         return target, done
 
     def copy_out_now(self, source: torch.Tensor, host: torch.Tensor) -> None:
@@ -143,7 +168,7 @@ class _CudaChannel:
         return target
 
     def wait(self, event: Any, measure: bool) -> Any:
-        compute = compat.current_stream(self.device)
+        compute = self._compute_stream()
         if not measure or event.query():
             compute.wait_event(event)
             return None
@@ -155,7 +180,7 @@ class _CudaChannel:
         return (before, after)
 
     def hand_to_compute(self, tensor: torch.Tensor) -> None:
-        tensor.record_stream(compat.current_stream(self.device))
+        tensor.record_stream(self._compute_stream())
 
     def release_after_copies(self, tensor: torch.Tensor) -> None:
         tensor.record_stream(self.side_stream)
