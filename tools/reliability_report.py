@@ -383,7 +383,8 @@ def _gpu_section(gpu_junit: Path | None) -> list[str]:
         f"- Run: {where}, torch {info.get('torch', '?')}{when} "
         f"([`_data/gpu-reliability.xml`](_data/gpu-reliability.xml)).",
         f"- {len(runs)} test runs: {len(runs) - failed - skipped} passed, {failed} failed, "
-        f"{skipped} skipped.",
+        f"{skipped} skipped" + (f", at commit {info['code']}." if "code" in info else "."),
+        *([f"- {info['note']}"] if "note" in info else []),
         "",
     ]
     recorded = [row for row in rows if row.checks != "(recorded nothing)"]
