@@ -38,6 +38,7 @@ from _recording import Record, report, rss_bytes
 from torch.utils import _pytree as pytree
 
 import matepoint
+from matepoint import _engine
 from matepoint.testing import CPUTestTransport, _CPUTestChannel, use_transport
 
 DEPTH = 4
@@ -669,6 +670,79 @@ def test_mixed_device_and_host_arguments(fresh_stats: None, record_property: Rec
         after=after,
         offloads=snapshot.offloads,
         kept_in_place=snapshot.skipped_other,
+    )
+
+
+class _TwoDeviceTransport(CPUTestTransport):
+    """Stands in for a machine with two devices: marked storages live on a second "device".
+
+    Tensors of the second device go through a channel of their own (a second CPU test transport
+    with deferred copies), so matepoint keeps one engine, one pool and one copy queue per device,
+    as the CUDA transport does per ``cuda:N``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(completion="deferred")
+        self.second = CPUTestTransport(completion="deferred")
+        self.second_storages: set[int] = set()
+
+    def mark_second(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.second_storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    def _on_second(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self.second_storages
+
+    def channel_key(self, tensor: torch.Tensor) -> Any:
+        if self._on_second(tensor):
+            return ("cpu-test-second", id(self))
+        return super().channel_key(tensor)
+
+    def channel(self, tensor: torch.Tensor) -> Any:
+        if self._on_second(tensor):
+            return self.second.channel(tensor)
+        return super().channel(tensor)
+
+    def drain(self) -> None:
+        super().drain()
+        self.second.drain()
+
+
+def test_arguments_on_two_devices(fresh_stats: None, record_property: Record) -> None:
+    two = _TwoDeviceTransport()
+
+    def step(ckpt: Checkpoint) -> Any:
+        layer = torch.nn.Linear(16, 16)
+        x = torch.randn(4, 16, requires_grad=True)
+        y = torch.randn(4, 16, requires_grad=True)
+        first, second = x * 1, two.mark_second(y * 1)
+        h = ckpt(lambda a, b: torch.tanh(layer(a)) * b, first, second)
+        h.square().sum().backward()
+        return h.detach(), _grads(x, y, layer.weight)
+
+    with use_transport(two), matepoint.options(min_offload_bytes=0):
+        mine, reference = _twice(step)
+        snapshot = matepoint.stats()
+        engines = {engine.name for engine in _engine.all_engines()}
+    _assert_same(mine, reference)
+    assert snapshot.offloads == 2
+    assert {str(("cpu-test", id(two))), str(("cpu-test-second", id(two)))} <= engines
+    assert engine_of(two).counters.offloads == 1
+    del mine, reference
+    two.drain()
+    after = levels()
+    assert_nothing_leaked()
+    report(
+        record_property,
+        area="inputs",
+        case="input: arguments on two devices",
+        checks="one checkpoint call with inputs on two devices: each goes through its own "
+        "device's engine and copy queue; gradients bitwise equal to torch",
+        guarantees="parity,no-leak",
+        steps=2,
+        after=after,
+        offloads=snapshot.offloads,
+        engines=2,
     )
 
 
