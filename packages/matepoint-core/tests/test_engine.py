@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -413,6 +414,46 @@ def test_originals_released_only_after_their_copy(transport: CPUTestTransport) -
     assert_grads_equal(got, grads_of(model, x, torch_ckpt))
     transport.drain()  # would raise CopyReadFreedMemory if a source had been let go early
     assert_nothing_leaked()
+
+
+@pytest.mark.parametrize("finishes_late", [False, True])
+def test_throttle_counts_only_copies_it_waited_for(
+    transport: CPUTestTransport, monkeypatch: pytest.MonkeyPatch, finishes_late: bool
+) -> None:
+    """With no bytes allowed in flight the host waits for each copy, unless it has finished.
+
+    The originals stay referenced by the test, so the engine watches them (the path where it
+    must wait before letting go). With ``finishes_late`` each copy is still running when the
+    engine first looks and has finished by the time the throttle looks again, as happens on a
+    GPU: the throttle must not wait, nor count a wait.
+    """
+    channel = transport._channel
+    looked: set[int] = set()
+    is_complete = channel.is_complete
+
+    def finishing_late(event: Any) -> bool:
+        if id(event) not in looked:
+            looked.add(id(event))
+            return False
+        channel.side.run_until(event)
+        return is_complete(event)
+
+    if finishes_late:
+        monkeypatch.setattr(channel, "is_complete", finishing_late)
+    model = Stack(depth=6)
+    with matepoint.options(stash_bytes=0, max_inflight_bytes=0, prefetch=0):
+        leaf = torch.randn(4, 16).requires_grad_(True)
+        kept = []
+        h = leaf * 1
+        for layer in model.blocks:
+            kept.append(h)
+            h = matepoint.checkpoint(lambda a, layer=layer: torch.tanh(layer(a)) + a, h)
+        h.sum().backward()
+    throttled = matepoint.stats().throttled_waits
+    if finishes_late:
+        assert throttled == 0
+    else:
+        assert throttled >= 5  # every copy but the newest was waited for
 
 
 def test_graph_dropped_with_copies_in_flight_keeps_sources_alive(

@@ -286,8 +286,7 @@ class ChannelEngine:
         while self._in_flight_bytes > options.max_inflight_bytes and self._in_flight:
             event, nbytes = self._in_flight.popleft()
             self._in_flight_bytes -= nbytes
-            self.counters.host_wait_seconds += self.channel.synchronize(event)
-            self.counters.throttled_waits += 1
+            self._wait_for_copy(event)
         watched = 0
         for reference in list(self._held):
             record = reference()
@@ -295,8 +294,14 @@ class ChannelEngine:
                 continue
             watched += record.nbytes
             if watched > options.stash_bytes + options.max_inflight_bytes:
-                self.counters.host_wait_seconds += self.channel.synchronize(record.copy_event)
-                self.counters.throttled_waits += 1
+                self._wait_for_copy(record.copy_event)
+
+    def _wait_for_copy(self, event: Any) -> None:
+        """Block the host until a copy out has finished; count it only if it had not."""
+        if self.channel.is_complete(event):
+            return
+        self.counters.host_wait_seconds += self.channel.synchronize(event)
+        self.counters.throttled_waits += 1
 
     def _drop_original(self, record: Record) -> None:
         tensor = record.device_tensor
