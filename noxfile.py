@@ -20,6 +20,7 @@ have uv pick the matching PyTorch build.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -228,12 +229,26 @@ def _require_cuda(session: nox.Session) -> None:
         session.error("this session needs a CUDA device, and torch sees none")
 
 
+GPU_JUNIT = "docs/_data/gpu-reliability.xml"
+
+
 @nox.session(venv_backend="none", default=False)
 def gpu(session: nox.Session) -> None:
-    """Run the tests marked ``gpu`` with the current environment's (CUDA) torch."""
+    """Run the tests marked ``gpu`` with the current environment's (CUDA) torch.
+
+    ``-- --record`` also runs the long soak and records the run for the docs: the junit XML in
+    ``docs/_data/gpu-reliability.xml`` (the "On a GPU" rows of docs/reliability.md) and the
+    counts and machine in ``docs/_data/gpu-results.json`` (the GPU row of docs/compat.md); then
+    ``nox -s reliability-report`` and ``nox -s compat-table`` rewrite the pages from them.
+    """
     torch_version = _installed_torch(session)
     _require_cuda(session)
     _install_beside_current_torch(session, torch_version)
+    arguments = list(session.posargs)
+    record = "--record" in arguments
+    if record:
+        arguments.remove("--record")
+        arguments += ["--run-slow", f"--junitxml={GPU_JUNIT}"]
     session.run(
         "python",
         "-m",
@@ -242,9 +257,15 @@ def gpu(session: nox.Session) -> None:
         "--benchmark-disable",
         "-m",
         "gpu",
-        *session.posargs,
+        *arguments,
         external=True,
+        success_codes=[0, 1] if record else [0],
     )
+    if record:
+        session.run("python", "tools/compat_table.py", "gpu", "--junit", GPU_JUNIT, external=True)
+        results = json.loads(Path("docs/_data/gpu-results.json").read_text(encoding="utf-8"))
+        if results["failed"]:
+            session.error(f"{results['failed']} GPU tests failed (recorded in {GPU_JUNIT})")
 
 
 @nox.session(venv_backend="none", default=False)

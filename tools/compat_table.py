@@ -18,7 +18,13 @@ Two commands:
     (``torch``, ``passed``, ``failed`` and ``skipped`` are required; ``errors``, ``seconds``,
     ``device``, ``date``, ``command`` and ``gates`` are optional.)
 
-Only the standard library is used by ``table``; ``env`` needs torch and matepoint_compat.
+``python tools/compat_table.py gpu --junit FILE [--out FILE] [--run-command TEXT]``
+    Run by ``nox -s gpu -- --record`` on a GPU machine after its pytest run: writes
+    ``docs/_data/gpu-results.json`` from that run's junit XML (the counts) and the environment
+    (torch, Python, the device's name and how many there are, today's date).
+
+Only the standard library is used by ``table``; ``env`` and ``gpu`` need torch (``env`` also
+matepoint_compat).
 """
 
 from __future__ import annotations
@@ -285,6 +291,34 @@ def build_table(results: Path, gpu_file: Path) -> str:
     return "\n".join(lines)
 
 
+def gpu_results(junit: Path, command: str) -> dict[str, object]:
+    """The GPU row's record: counts from ``junit``, the machine from the running environment."""
+    import datetime
+    import platform
+    import xml.etree.ElementTree as ET
+
+    import torch
+
+    outcomes = {"passed": 0, "failed": 0, "skipped": 0}
+    for testcase in ET.parse(junit).getroot().iter("testcase"):
+        if testcase.find("failure") is not None or testcase.find("error") is not None:
+            outcomes["failed"] += 1
+        elif testcase.find("skipped") is not None:
+            outcomes["skipped"] += 1
+        else:
+            outcomes["passed"] += 1
+    count = torch.cuda.device_count()
+    name = torch.cuda.get_device_name(0) if count else "no CUDA device"
+    return {
+        "machine": name if count <= 1 else f"{name}, a host with {count}",
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "command": command,
+        **outcomes,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -294,7 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("--results", type=Path, default=ROOT / ".nox-results")
     table.add_argument("--gpu", type=Path, default=ROOT / "docs" / "_data" / "gpu-results.json")
     table.add_argument("--out", type=Path, default=ROOT / "docs" / "compat.md")
+    gpu = commands.add_parser("gpu", help="write docs/_data/gpu-results.json from a GPU run")
+    gpu.add_argument("--junit", type=Path, required=True, help="the GPU run's junit XML")
+    gpu.add_argument("--out", type=Path, default=ROOT / "docs" / "_data" / "gpu-results.json")
+    gpu.add_argument("--run-command", default="nox -s gpu -- --record", help="how the run was made")
     args = parser.parse_args(argv)
+    if args.command == "gpu":
+        record = gpu_results(args.junit, args.run_command)
+        args.out.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.out}")
+        return 0
     if args.command == "env":
         text = json.dumps(collect_env(), indent=2) + "\n"
         if args.out == "-":

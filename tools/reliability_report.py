@@ -359,7 +359,7 @@ def _gpu_section(gpu_junit: Path | None) -> list[str]:
         "The rows above come from a CPU run: the engine's bookkeeping runs through "
         "`matepoint.testing.CPUTestTransport`, which defers every copy to an explicit sync point "
         "and poisons what is read too early. The rows below come from a GPU run of the tests "
-        "marked `gpu` (`nox -s gpu -- --run-slow --junitxml=docs/_data/gpu-reliability.xml`): "
+        "marked `gpu` (`nox -s gpu -- --record` writes the junit XML this section reads): "
         "the same faults through the CUDA transport, where copies run on a real side stream, "
         "originals go back to the caching allocator and out-of-memory errors come from the "
         "allocator itself, plus the race probes (the side stream delayed before each copy, a "
