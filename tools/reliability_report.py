@@ -15,8 +15,9 @@ this run, and the machine it ran on. ``nox -s reliability-report`` runs it.
 ``--junit FILE`` renders an existing junit XML (pytest's ``xunit1`` family, which keeps the
 properties) instead of running the tests. ``--gpu-junit FILE`` (default
 ``docs/_data/gpu-reliability.xml``, written by a GPU run of the ``gpu`` tests) fills the page's
-"On a GPU" section: the rows ``test_cuda_reliability.py`` recorded, with their numbers, and the
-outcome of every other GPU test; ``docs/_data/gpu-results.json`` names the machine.
+"On a GPU" section: the rows ``test_cuda_reliability.py`` and ``test_cuda_soak.py`` recorded,
+with their numbers, and the outcome of every other GPU test; ``docs/_data/gpu-results.json``
+names the machine.
 
 Exit status: pytest's (the page is written whenever the tests ran, failures included, so a
 failing run is visible on the page too).

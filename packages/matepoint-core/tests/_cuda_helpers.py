@@ -1,17 +1,22 @@
-"""A GPU model shared by the CUDA tests: pre-norm MLP blocks with dropout, and a training step.
+"""What the CUDA tests share: a model, a training step and memory levels.
 
-Big enough (4096 tokens x 1024 features, 16 MiB per block input in fp32) that copies overlap
-real compute; dropout makes every test check that the recomputation replays the RNG.
+The model (pre-norm MLP blocks with dropout) is big enough (4096 tokens x 1024 features, 16 MiB
+per block input in fp32) that copies overlap real compute; dropout makes every test check that
+the recomputation replays the RNG. The ``clean_start`` fixture they use lives in conftest.py.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
+from _recording import rss_bytes
+
+import matepoint
 
 WIDTH = 1024
 TOKENS = 4096
@@ -78,3 +83,30 @@ def bitwise_equal(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> b
     return len(actual) == len(expected) and all(
         torch.equal(a, b) for a, b in zip(actual, expected, strict=True)
     )
+
+
+def levels() -> dict[str, int]:
+    """Memory levels after collecting garbage and letting the allocator reclaim finished frees.
+
+    ``empty_cache()`` also processes the caching allocator's pending ``record_stream`` frees, so
+    ``device_allocated_bytes`` counts only tensors that are really alive.
+    """
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    snapshot = matepoint.stats(synchronize=True)
+    return {
+        "live_records": snapshot.live_records,
+        "pool_in_use_bytes": snapshot.pool_in_use_bytes,
+        "pool_pinned_bytes": snapshot.pool_pinned_bytes,
+        "device_bytes_held": snapshot.device_bytes_held,
+        "device_allocated_bytes": torch.cuda.memory_allocated(),
+        "rss_bytes": rss_bytes(),
+    }
+
+
+def assert_restored(before: dict[str, int], after: dict[str, int]) -> None:
+    """Every level but RSS (the interpreter's) is back where it was before the fault."""
+    for name, value in before.items():
+        if name != "rss_bytes":
+            assert after[name] == value, f"{name}: {value} before the fault, {after[name]} after"

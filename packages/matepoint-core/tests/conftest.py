@@ -8,11 +8,14 @@
 - ``matepoint_reset`` (autouse): every test starts with zeroed stats and no live records, and
   leaves the process-wide defaults and legacy globals as it found them.
 - ``pipeline`` / ``use_reentrant``: the two axes every parity test runs over.
+- ``clean_start`` (CUDA tests, by ``usefixtures``): no graph of an earlier failed test alive, the
+  device idle, empty idle pools and zeroed stats; afterwards no memory cap left set.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -119,3 +122,20 @@ def fast_transport(fresh_stats: None) -> Iterator[CPUTestTransport]:
     with use_transport(test_transport), matepoint.options(min_offload_bytes=0):
         yield test_transport
     test_transport.drain()
+
+
+@pytest.fixture
+def clean_start() -> Iterator[None]:
+    """Start a CUDA test from nothing of an earlier one; lift any device memory cap afterwards."""
+    # pytest keeps the last failed test's traceback in sys.last_*; its frames would keep that
+    # test's graphs (and their records) alive into this one.
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+    gc.collect()
+    torch.cuda.synchronize()
+    matepoint.release_pool()
+    matepoint.reset_stats()
+    yield
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.synchronize()
