@@ -7,8 +7,9 @@ which treats CPU tensors as device tensors and defers every copy to an explicit 
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -97,3 +98,34 @@ def assert_grads_equal(actual: Sequence[torch.Tensor], expected: Sequence[torch.
     for got, want in zip(actual, expected, strict=True):
         assert not torch.isnan(got).any(), "NaN in a gradient: a copy was read before it completed"
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+T = TypeVar("T")
+
+
+def run_in_threads(step: Callable[[int], T], threads: int, steps: int) -> list[list[T]]:
+    """Run ``step(index)`` ``steps`` times in each of ``threads`` threads released together.
+
+    Returns each thread's results in order. Re-raises the first error any thread hit, once all
+    threads have ended.
+    """
+    results: list[list[T]] = [[] for _ in range(threads)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(threads)
+
+    def work(index: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(steps):
+                results[index].append(step(index))
+        except BaseException as error:
+            errors.append(error)
+
+    workers = [threading.Thread(target=work, args=(index,)) for index in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+    return results

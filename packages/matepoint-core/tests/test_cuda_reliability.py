@@ -13,7 +13,6 @@ renders a GPU run's junit XML into the "On a GPU" section of ``docs/reliability.
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +28,7 @@ from _cuda_helpers import (
     run_blocks,
     torch_ckpt,
 )
+from _helpers import run_in_threads
 from _recording import Record, report
 
 import matepoint
@@ -256,8 +256,8 @@ def test_pinned_pool_cap_exhausted(policy: str, record_property: Record) -> None
 # -- concurrency and autograd variety -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("streams", ["default stream", "a stream per thread"])
-def test_threads_training_their_own_models(streams: str, record_property: Record) -> None:
+@pytest.mark.parametrize("streams_kind", ["default stream", "a stream per thread"])
+def test_threads_training_their_own_models(streams_kind: str, record_property: Record) -> None:
     """Three threads train their own models at once through one engine per device.
 
     No dropout: the CUDA generator is shared by the threads, so dropout masks would depend on
@@ -270,29 +270,19 @@ def test_threads_training_their_own_models(streams: str, record_property: Record
     references = [_step(m, x, torch_ckpt) for m, x in zip(models, inputs, strict=True)]
     torch.cuda.synchronize()
     before = levels()
-    results: dict[int, list[list[torch.Tensor]]] = {i: [] for i in range(threads_count)}
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(threads_count)
     mate = _mate(prefetch=2, max_inflight_bytes=ONE_INPUT)
+    streams = [
+        torch.cuda.Stream() if streams_kind != "default stream" else None
+        for _ in range(threads_count)
+    ]
 
-    def train(index: int) -> None:
-        try:
-            stream = torch.cuda.Stream() if streams != "default stream" else None
-            barrier.wait()
-            with torch.cuda.stream(stream):
-                for _ in range(steps):
-                    grads = _step(models[index], inputs[index], mate)
-                    torch.cuda.current_stream().synchronize()
-                    results[index].append(grads)
-        except BaseException as error:
-            errors.append(error)
+    def train(index: int) -> list[torch.Tensor]:
+        with torch.cuda.stream(streams[index]):
+            grads = _step(models[index], inputs[index], mate)
+            torch.cuda.current_stream().synchronize()
+        return grads
 
-    workers = [threading.Thread(target=train, args=(i,)) for i in range(threads_count)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    assert not errors, errors
+    results = run_in_threads(train, threads_count, steps)
     for index in range(threads_count):
         assert len(results[index]) == steps
         for got in results[index]:
@@ -307,7 +297,7 @@ def test_threads_training_their_own_models(streams: str, record_property: Record
     report(
         record_property,
         area="autograd",
-        case=f"GPU: {threads_count} threads training their own models ({streams})",
+        case=f"GPU: {threads_count} threads training their own models ({streams_kind})",
         checks=f"{threads_count} threads x {steps} steps, 4 checkpoints each, at once: every "
         "gradient bitwise equal to torch; no record, pool block or original left",
         guarantees="concurrency,parity,no-leak",

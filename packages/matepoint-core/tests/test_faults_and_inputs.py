@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -32,6 +31,7 @@ from _helpers import (
     engine_of,
     grads_of,
     mate_ckpt,
+    run_in_threads,
     torch_ckpt,
 )
 from _recording import Record, report, rss_bytes
@@ -615,23 +615,31 @@ def test_unusual_inputs_match_torch(
     )
 
 
-class _HostAwareTransport(CPUTestTransport):
-    """Stands in for a GPU machine: tensors marked as host tensors stay where they are.
+class _MarkingTransport(CPUTestTransport):
+    """A deferred CPU test transport whose tests mark some storages as living somewhere else.
 
-    The CUDA transport keys channels on ``device.type == "cuda"``; here every CPU tensor would be
-    a "device" tensor, so the test marks some storages as host memory instead.
+    The CUDA transport tells devices apart by ``tensor.device``; here every tensor is a CPU
+    tensor, so a test marks the storages that stand for another place (the host, a second
+    device) and the subclass routes them.
     """
 
     def __init__(self) -> None:
         super().__init__(completion="deferred")
-        self.host_storages: set[int] = set()
+        self.marked_storages: set[int] = set()
 
-    def mark_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.host_storages.add(tensor.untyped_storage().data_ptr())
+    def mark(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.marked_storages.add(tensor.untyped_storage().data_ptr())
         return tensor
 
+    def is_marked(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self.marked_storages
+
+
+class _HostAwareTransport(_MarkingTransport):
+    """Stands in for a GPU machine: tensors marked as host tensors stay where they are."""
+
     def channel_key(self, tensor: torch.Tensor) -> Any:
-        if tensor.untyped_storage().data_ptr() in self.host_storages:
+        if self.is_marked(tensor):
             return None
         return super().channel_key(tensor)
 
@@ -642,7 +650,7 @@ def test_mixed_device_and_host_arguments(fresh_stats: None, record_property: Rec
     def step(ckpt: Checkpoint) -> Any:
         layer = torch.nn.Linear(16, 16)
         x = torch.randn(4, 16, requires_grad=True)
-        on_host = mixed.mark_host(torch.randn(4, 16, requires_grad=True) * 1)
+        on_host = mixed.mark(torch.randn(4, 16, requires_grad=True) * 1)
         on_device = x * 1
         h = ckpt(lambda a, b: torch.tanh(layer(a)) * b, on_device, on_host)
         h = ckpt(lambda a, scale: a * scale, h, {"scale": on_host})
@@ -673,7 +681,7 @@ def test_mixed_device_and_host_arguments(fresh_stats: None, record_property: Rec
     )
 
 
-class _TwoDeviceTransport(CPUTestTransport):
+class _TwoDeviceTransport(_MarkingTransport):
     """Stands in for a machine with two devices: marked storages live on a second "device".
 
     Tensors of the second device go through a channel of their own (a second CPU test transport
@@ -682,24 +690,16 @@ class _TwoDeviceTransport(CPUTestTransport):
     """
 
     def __init__(self) -> None:
-        super().__init__(completion="deferred")
+        super().__init__()
         self.second = CPUTestTransport(completion="deferred")
-        self.second_storages: set[int] = set()
-
-    def mark_second(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.second_storages.add(tensor.untyped_storage().data_ptr())
-        return tensor
-
-    def _on_second(self, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage().data_ptr() in self.second_storages
 
     def channel_key(self, tensor: torch.Tensor) -> Any:
-        if self._on_second(tensor):
+        if self.is_marked(tensor):
             return ("cpu-test-second", id(self))
         return super().channel_key(tensor)
 
     def channel(self, tensor: torch.Tensor) -> Any:
-        if self._on_second(tensor):
+        if self.is_marked(tensor):
             return self.second.channel(tensor)
         return super().channel(tensor)
 
@@ -715,7 +715,7 @@ def test_arguments_on_two_devices(fresh_stats: None, record_property: Record) ->
         layer = torch.nn.Linear(16, 16)
         x = torch.randn(4, 16, requires_grad=True)
         y = torch.randn(4, 16, requires_grad=True)
-        first, second = x * 1, two.mark_second(y * 1)
+        first, second = x * 1, two.mark(y * 1)
         h = ckpt(lambda a, b: torch.tanh(layer(a)) * b, first, second)
         h.square().sum().backward()
         return h.detach(), _grads(x, y, layer.weight)
@@ -982,30 +982,17 @@ def test_threads_with_autograd_grad_and_create_graph(
         return list(torch.autograd.grad(grad_x.square().sum(), [leaf, *model.parameters()]))
 
     references = [second_order(m, x, torch_ckpt) for m, x in zip(models, inputs, strict=True)]
-    errors: list[BaseException] = []
-    results: dict[int, list[list[torch.Tensor]]] = {i: [] for i in range(threads_count)}
-    barrier = threading.Barrier(threads_count)
 
-    def train(index: int) -> None:
-        try:
-            barrier.wait()
-            for _ in range(steps):
-                results[index].append(second_order(models[index], inputs[index], mate_ckpt))
-        except BaseException as error:
-            errors.append(error)
+    def train(index: int) -> list[torch.Tensor]:
+        return second_order(models[index], inputs[index], mate_ckpt)
 
     with (
         use_transport(test_transport),
         matepoint.options(min_offload_bytes=0, stash_bytes=0, max_inflight_bytes=ONE),
     ):
         before = levels()
-        workers = [threading.Thread(target=train, args=(i,)) for i in range(threads_count)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
+        results = run_in_threads(train, threads_count, steps)
         after = levels()
-    assert not errors, errors
     for index in range(threads_count):
         assert len(results[index]) == steps
         for got in results[index]:

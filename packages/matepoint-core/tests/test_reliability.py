@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import random
-import threading
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from _helpers import (
     assert_nothing_leaked,
     grads_of,
     mate_ckpt,
+    run_in_threads,
     settle,
     torch_ckpt,
 )
@@ -201,28 +201,15 @@ def test_threads_training_their_own_models(
     models = [Stack(depth=4, seed=seed) for seed in range(4)]
     inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
     references = [grads_of(model, x, torch_ckpt) for model, x in zip(models, inputs, strict=True)]
-    results: dict[int, list[list[torch.Tensor]]] = {i: [] for i in range(4)}
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(4)
 
-    def train(index: int) -> None:
-        try:
-            barrier.wait()
-            for _ in range(15):
-                results[index].append(grads_of(models[index], inputs[index], mate_ckpt))
-        except BaseException as error:
-            errors.append(error)
+    def train(index: int) -> list[torch.Tensor]:
+        return grads_of(models[index], inputs[index], mate_ckpt)
 
     with (
         use_transport(test_transport),
         matepoint.options(min_offload_bytes=0, stash_bytes=0, max_inflight_bytes=256, prefetch=2),
     ):
-        threads = [threading.Thread(target=train, args=(i,)) for i in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    assert not errors, errors
+        results = run_in_threads(train, 4, 15)
     for index in range(4):
         assert len(results[index]) == 15
         for got in results[index]:
