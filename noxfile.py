@@ -264,8 +264,9 @@ def gpu(session: nox.Session) -> None:
     if record:
         session.run("python", "tools/compat_table.py", "gpu", "--junit", GPU_JUNIT, external=True)
         results = json.loads(Path("docs/_data/gpu-results.json").read_text(encoding="utf-8"))
-        if results["failed"]:
-            session.error(f"{results['failed']} GPU tests failed (recorded in {GPU_JUNIT})")
+        broken = results["failed"] + results["errors"]
+        if broken:
+            session.error(f"{broken} GPU tests failed (recorded in {GPU_JUNIT})")
 
 
 @nox.session(venv_backend="none", default=False)

@@ -30,7 +30,9 @@ matepoint_compat).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import platform
 import re
 import subprocess
 import sys
@@ -293,20 +295,8 @@ def build_table(results: Path, gpu_file: Path) -> str:
 
 def gpu_results(junit: Path, command: str) -> dict[str, object]:
     """The GPU row's record: counts from ``junit``, the machine from the running environment."""
-    import datetime
-    import platform
-    import xml.etree.ElementTree as ET
-
     import torch
 
-    outcomes = {"passed": 0, "failed": 0, "skipped": 0}
-    for testcase in ET.parse(junit).getroot().iter("testcase"):
-        if testcase.find("failure") is not None or testcase.find("error") is not None:
-            outcomes["failed"] += 1
-        elif testcase.find("skipped") is not None:
-            outcomes["skipped"] += 1
-        else:
-            outcomes["passed"] += 1
     count = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0) if count else "no CUDA device"
     return {
@@ -315,7 +305,7 @@ def gpu_results(junit: Path, command: str) -> dict[str, object]:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
         "command": command,
-        **outcomes,
+        **read_junit(junit),
     }
 
 
