@@ -6,7 +6,6 @@ Everything that differs between torch releases lives here, behind the named gate
 
 from matepoint_compat._accelerator import (
     allocate_pinned,
-    current_stream,
     delay_stream,
     device_module,
     new_event,
@@ -68,7 +67,6 @@ __all__ = [
     "__version__",
     "adapt_checkpoint_kwargs",
     "allocate_pinned",
-    "current_stream",
     "delay_stream",
     "device_module",
     "ignore_torch_warnings",

@@ -1,7 +1,7 @@
 """Stream, event and pinned-memory calls, spelled the way the installed torch spells them.
 
-matepoint's CUDA transport talks to the device only through these functions, so the transport
-itself stays version-free.
+matepoint's CUDA transport talks to the device only through these functions and the device module
+:func:`device_module` returns, so the transport itself stays version-free.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from matepoint_compat._version import TORCH_2_13_PLUS
 
 __all__ = [
     "allocate_pinned",
-    "current_stream",
     "delay_stream",
     "device_module",
     "new_event",
@@ -41,11 +40,6 @@ def device_module(device: torch.device) -> Any:
         The module (``torch.cuda``, ``torch.xpu``, ...).
     """
     return torch.get_device_module(device.type)
-
-
-def current_stream(device: torch.device) -> Any:
-    """Return the stream the caller's compute on ``device`` is queued on."""
-    return device_module(device).current_stream(device)
 
 
 def new_stream(device: torch.device) -> Any:
