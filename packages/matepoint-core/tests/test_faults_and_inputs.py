@@ -573,7 +573,7 @@ def _integer_and_bf16(ckpt: Checkpoint) -> Any:
 _INPUTS: dict[str, tuple[Callable[[Checkpoint], Any], tuple[int, ...], str]] = {
     # kind: (step, how many tensors it may offload, what is checked)
     "complex": (_complex, (2,), "complex64 activations, offloaded"),
-    "conjugate view": (_conjugate_view, (2,), "a lazy .conj() view (conj bit set), offloaded"),
+    "conjugate view": (_conjugate_view, (1,), "a lazy .conj() view (conj bit set) stays put"),
     "sparse COO": (_sparse, (2,), "a sparse COO operand stays put, its dense partner moves"),
     "step-sliced view": (_step_sliced_view, (1,), "x[:, ::2] is not dense: stays in place"),
     "permuted view": (_permuted_view, (2,), "dense non-contiguous: offloaded, strides kept"),

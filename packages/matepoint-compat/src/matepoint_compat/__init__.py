@@ -44,6 +44,7 @@ from matepoint_compat._version import (
     TORCH_VERSION,
     parse_base_version,
 )
+from matepoint_compat._version_counter import version_witness
 from matepoint_compat._warnings import TORCH_WARNING_FILTERS, ignore_torch_warnings
 
 __version__ = "0.2.0"
@@ -86,5 +87,6 @@ __all__ = [
     "tree_flatten",
     "tree_unflatten",
     "unwind_failed_checkpoint",
+    "version_witness",
     "warn_deprecated",
 ]

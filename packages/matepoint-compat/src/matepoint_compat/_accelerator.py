@@ -99,7 +99,8 @@ def allocate_pinned(nbytes: int) -> torch.Tensor:
     96 MiB tensor costs 128 MiB), so there the memory is taken as an ordinary host tensor and
     page-locked with ``cudaHostRegister``; it is unregistered when the tensor dies. From 2.13 the
     allocator hands out exact sizes and is used directly. The register path can go when torch 2.13
-    is the oldest supported release.
+    is the oldest supported release. The block names its device: under ``torch.device("cuda")`` or
+    ``torch.set_default_device("cuda")`` an unnamed factory would allocate on the GPU.
 
     Args:
         nbytes: The size of the block in bytes (at least 1).
@@ -113,8 +114,8 @@ def allocate_pinned(nbytes: int) -> torch.Tensor:
             limit on locked memory).
     """
     if TORCH_2_13_PLUS:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    block = torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     address = block.data_ptr()
     status = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)  # type: ignore[no-untyped-call]
     code = int(getattr(status, "value", status))

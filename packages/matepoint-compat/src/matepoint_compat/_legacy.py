@@ -19,10 +19,13 @@ core), which is why the engine hooks in through :func:`register_pipeline_callbac
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from collections.abc import Callable, Mapping
 from typing import Final, TypeAlias
+
+import torch
 
 from matepoint_compat._deprecation import warn_deprecated
 
@@ -261,16 +264,43 @@ def legacy_matepoint_pipeline(ctx: object = None, stream: object = None) -> None
         callback()
 
 
-def pop_legacy_checkpoint_kwargs(kwargs: dict[str, object], *, stacklevel: int = 2) -> None:
-    """Remove the 0.1.x-only keyword arguments from ``kwargs``, warning once for each.
+def _accepts_keyword(function: Callable[..., object], name: str) -> bool:
+    """Whether ``function(**{name: ...})`` would bind: a parameter of that name, or ``**kwargs``."""
+    # A module's __call__ takes (*args, **kwargs); what it accepts is its forward's signature.
+    target = function.forward if isinstance(function, torch.nn.Module) else function
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # builtins and C functions without a signature
+        return False
+    parameter = parameters.get(name)
+    if parameter is not None:
+        return parameter.kind in (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.KEYWORD_ONLY,
+        )
+    return any(value.kind is inspect.Parameter.VAR_KEYWORD for value in parameters.values())
+
+
+def pop_legacy_checkpoint_kwargs(
+    kwargs: dict[str, object],
+    *,
+    function: Callable[..., object] | None = None,
+    stacklevel: int = 2,
+) -> None:
+    """Remove the 0.1.x-only keyword arguments that ``function`` cannot take, warning for each.
 
     0.1.x ``checkpoint`` took ``stream=`` (always overridden by its own stream),
     ``matepoint_ctx=`` (the list it pushed CPU copies onto) and ``check_inplace_modifications=``
     (off by default). None of them means anything to 0.2, but legacy calls must keep working, so
-    core strips them before handing the rest to torch. Other keys are left untouched.
+    core strips them before handing the rest to torch. torch's checkpoint passes every keyword it
+    does not know to the function, so a function that declares one of these names (or takes
+    ``**kwargs``) gets it, as it would from torch, and no warning is given. Other keys are left
+    untouched.
 
     Args:
         kwargs: The extra keyword arguments of a ``checkpoint`` call; modified in place.
+        function: The checkpointed function, or None when nothing receives keyword arguments
+            (``checkpoint_sequential``). Default: None.
         stacklevel: Which frame the warnings are attributed to, counted as
             :func:`warnings.warn` counts from the caller of this function: ``2`` (the default) is
             the caller of the function that calls this one, i.e. the user's ``checkpoint(...)``
@@ -281,12 +311,19 @@ def pop_legacy_checkpoint_kwargs(kwargs: dict[str, object], *, stacklevel: int =
         >>> extra = {"stream": None, "preserve_rng_state": True}
         >>> with warnings.catch_warnings():
         ...     warnings.simplefilter("ignore")
-        ...     pop_legacy_checkpoint_kwargs(extra)
+        ...     pop_legacy_checkpoint_kwargs(extra, function=lambda x: x)
         >>> extra
         {'preserve_rng_state': True}
+        >>> extra = {"stream": None}
+        >>> pop_legacy_checkpoint_kwargs(extra, function=lambda x, stream: x)
+        >>> extra
+        {'stream': None}
     """
     for key, replacement in _LEGACY_KWARGS.items():
-        if key in kwargs:
-            del kwargs[key]
-            # +1 for this function's own frame; see warn_deprecated.
-            warn_deprecated(f"`{key}=`", replacement=replacement, stacklevel=stacklevel + 1)
+        if key not in kwargs:
+            continue
+        if function is not None and _accepts_keyword(function, key):
+            continue
+        del kwargs[key]
+        # +1 for this function's own frame; see warn_deprecated.
+        warn_deprecated(f"`{key}=`", replacement=replacement, stacklevel=stacklevel + 1)

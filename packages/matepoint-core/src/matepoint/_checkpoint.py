@@ -76,19 +76,40 @@ def _needs_flattening(args: tuple[Any, ...], function_kwargs: dict[str, Any]) ->
 def _flattened_call(
     function: Callable[..., Any], args: tuple[Any, ...], function_kwargs: dict[str, Any]
 ) -> tuple[Callable[..., Any], tuple[torch.Tensor, ...]]:
-    """Turn ``function(*args, **kwargs)`` into ``run(*tensors)`` over every tensor leaf.
+    """Turn ``function(*args, **kwargs)`` into ``run(*tensors)`` over the tensor leaves.
 
     torch's checkpoint saves only top-level tensor arguments; tensors in tuples, lists, dicts or
-    keyword arguments are held by plain reference, so no hook could move them. Passing every
-    tensor leaf as a top-level argument lets them be offloaded too, and version-checked: torch
-    itself would recompute from a nested tensor modified in place without noticing.
+    keyword arguments are held by plain reference, so no hook could move them. Passing tensor
+    leaves as top-level arguments lets them be offloaded too, and version-checked: torch itself
+    would recompute from a nested tensor modified in place without noticing.
+
+    See Note [Keyword tensors and device RNG state] for which keyword tensors stay keywords.
     """
+    arg_leaves, _ = compat.tree_flatten(args)
+    positional_count = len(arg_leaves)
+    positional_devices = {
+        leaf.device
+        for leaf in arg_leaves
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu"
+    }
+    del arg_leaves
+    # (args, kwargs) flattens args' leaves first, in the same order.
     leaves, spec = compat.tree_flatten((args, function_kwargs))
-    positions = [index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def lifted(index: int, leaf: Any) -> bool:
+        if not isinstance(leaf, torch.Tensor):
+            return False
+        if index < positional_count:
+            return True
+        return leaf.device.type == "cpu" or leaf.device in positional_devices
+
+    positions = [index for index, leaf in enumerate(leaves) if lifted(index, leaf)]
     tensors = tuple(leaves[index] for index in positions)
     # torch keeps ``run`` until backward: it must not reference the tensors it is given, or
-    # their device memory could never be released after the offload.
-    template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    # their device memory could never be released after the offload. Keyword tensors left in
+    # place are held by reference, as torch holds every keyword argument.
+    lifted_positions = set(positions)
+    template = [None if index in lifted_positions else leaf for index, leaf in enumerate(leaves)]
     del leaves
 
     def run(*tensor_args: torch.Tensor) -> Any:
@@ -99,6 +120,18 @@ def _flattened_call(
         return function(*call_args, **call_kwargs)
 
     return run, tensors
+
+
+# Note [Keyword tensors and device RNG state]
+#     torch's checkpoint decides which devices' RNG states to save and restore for the
+#     recomputation (``preserve_rng_state``), and which device's autocast state to replay, from
+#     its positional arguments only, nested ones included; keyword arguments are never looked at.
+#     So when accelerator tensors reach the function only by keyword, torch restores no RNG state
+#     of that device, and dropout in the recomputation draws a fresh mask. matepoint must not
+#     change which devices torch sees: a keyword tensor becomes a positional argument (and is
+#     offloaded) only when it is on the CPU or on a device some positional tensor is on already.
+#     Any other keyword tensor stays a keyword argument, held by reference and recomputed from as
+#     torch does, and is not offloaded.
 
 
 def checkpoint(
@@ -153,7 +186,7 @@ def checkpoint(
         >>> y = checkpoint(block, x)
         >>> y.sum().backward()
     """
-    compat.pop_legacy_checkpoint_kwargs(kwargs, stacklevel=2)
+    compat.pop_legacy_checkpoint_kwargs(kwargs, function=function, stacklevel=2)
     if function is None:
         if args:
             raise TypeError("checkpoint() got positional arguments but no function to run")

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+import matepoint_compat as compat
 from matepoint._options import OffloadOptions
 from matepoint._pool import PinnedPool
 from matepoint._records import KeptTensor, Record, inplace_error
@@ -99,6 +100,54 @@ def _keep(tensor: torch.Tensor) -> KeptTensor:
 
 
 _kept_counters = Counters()
+_kept_lock = threading.Lock()
+
+
+def _offloadable_dtypes() -> frozenset[torch.dtype]:
+    names = (
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    return frozenset(getattr(torch, name) for name in names if hasattr(torch, name))
+
+
+# Dtypes a byte block can be viewed as and copied asynchronously; anything else (bit-packed,
+# quantized, complex32) stays on the device.
+_OFFLOADABLE_DTYPES = _offloadable_dtypes()
+
+
+def _stays_on_device(tensor: torch.Tensor) -> bool:
+    """Whether a tensor must be left where it is, whatever its size.
+
+    Conj and neg views carry a lazy bit that a non-blocking device-to-host copy does not honour
+    (pytorch/pytorch#146286), and a copy into a plain host view would drop the bit. Views of a
+    parameter keep the parameter's memory alive anyway, so moving them frees nothing. Nested
+    tensors and non-strided layouts have no single strided block to copy.
+    """
+    return (
+        tensor.is_nested
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or tensor.dtype not in _OFFLOADABLE_DTYPES
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.is_inference()
+    )
 
 
 def pack(tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Record | KeptTensor:
@@ -113,26 +162,31 @@ def pack(tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Reco
         The object autograd keeps in place of the tensor.
     """
     if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
-        if isinstance(tensor, torch.nn.Parameter):
+        with _kept_lock:
+            if isinstance(tensor, torch.nn.Parameter):
+                _kept_counters.skipped_parameters += 1
+            else:
+                _kept_counters.skipped_other += 1
+        return _keep(tensor)
+    if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
+        with _kept_lock:
             _kept_counters.skipped_parameters += 1
-        else:
+        return _keep(tensor)
+    if _stays_on_device(tensor):
+        with _kept_lock:
             _kept_counters.skipped_other += 1
         return _keep(tensor)
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes < max(options.min_offload_bytes, 1):
         if nbytes:  # torch 2.4-2.11's 0-element dummy is not a user tensor
-            _kept_counters.skipped_small += 1
+            with _kept_lock:
+                _kept_counters.skipped_small += 1
         return _keep(tensor)
     active = transport()
     key = active.channel_key(tensor)
-    if (
-        key is None
-        or tensor.layout != torch.strided
-        or tensor.is_inference()
-        or tensor.is_quantized
-        or not _is_dense(tensor)
-    ):
-        _kept_counters.skipped_other += 1
+    if key is None or not _is_dense(tensor):
+        with _kept_lock:
+            _kept_counters.skipped_other += 1
         return _keep(tensor)
     return _engine_for(key, tensor, active).offload(tensor, options, pipelined)
 
@@ -193,6 +247,7 @@ class ChannelEngine:
                 self.counters.dedupe_hits += 1
                 return shared
             nbytes = tensor.numel() * tensor.element_size()
+            compute = self.channel.current_compute()
             block = self.pool.acquire(nbytes, options, on_side_stream=pipelined)
             host = (
                 block.buffer[:nbytes].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
@@ -206,9 +261,13 @@ class ChannelEngine:
                 key=key,
                 pipelined=pipelined,
                 owner=self,
+                witness=compat.version_witness(tensor),
+                compute=compute,
             )
             if pipelined:
-                event = self.channel.copy_out(tensor, host, options.side_stream_delay_cycles)
+                event = self.channel.copy_out(
+                    tensor, host, options.side_stream_delay_cycles, compute
+                )
                 record.copy_event = event
                 block.last_event = event
             else:
@@ -267,6 +326,7 @@ class ChannelEngine:
         assert tensor is not None
         if tensor._version != record.version:
             record.modified = True
+        self.channel.release_original(tensor, record.compute)
         self.channel.release_after_copies(tensor)
         record.device_tensor = None
         del tensor
@@ -311,6 +371,7 @@ class ChannelEngine:
             # either version, so backward must raise as torch would.
             record.modified = True
         record.copy_event = None
+        self.channel.release_original(tensor, record.compute)
         use_count = _storage_use_count(tensor)
         del tensor
         record.device_tensor = None
@@ -326,13 +387,12 @@ class ChannelEngine:
             self._settle_graveyard()
             record.unpacks += 1
             original = record.original()
-            if record.modified:
-                current = original._version if original is not None else record.version + 1
+            # See Note [Version witness]: the witness sees writes through every alias (base,
+            # other views, the parameter a view was taken from), also after the original died.
+            current = record.witness._version
+            if record.modified or current != record.version:
+                current = max(current, record.version + 1)
                 raise inplace_error(record.tensor_type, record.shape, current, record.version)
-            if original is not None and original._version != record.version:
-                raise inplace_error(
-                    record.tensor_type, record.shape, original._version, record.version
-                )
             if original is not None:
                 # Still on the device (stash, copy in flight, or kept alive elsewhere): no copy.
                 self.counters.stash_hits += 1

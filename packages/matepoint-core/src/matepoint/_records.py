@@ -79,12 +79,18 @@ class Record:
         copy_event: Event of the copy to the host (None when synchronous).
         prefetched: A device copy brought back ahead of its unpack, and its event.
         modified: Set when the original was seen modified in place before its copy completed.
+        witness: Shares the original's version counter without holding its memory, so writes
+            through any alias are seen in backward. See Note [Version witness] in
+            ``matepoint_compat._version_counter``.
+        compute: The compute stream current when it was packed (the stream the checkpointed
+            function read it on), for ordering the release of the device original.
         unpacks: How many times autograd unpacked it (twice with ``retain_graph``).
     """
 
     __slots__ = (
         "__weakref__",
         "block",
+        "compute",
         "copy_event",
         "device_tensor",
         "dtype",
@@ -102,6 +108,7 @@ class Record:
         "tensor_type",
         "unpacks",
         "version",
+        "witness",
     )
 
     def __init__(
@@ -114,6 +121,8 @@ class Record:
         key: tuple[Any, ...],
         pipelined: bool,
         owner: ChannelEngine,
+        witness: torch.Tensor,
+        compute: Any,
     ) -> None:
         self.sequence = sequence
         self.device_tensor: torch.Tensor | None = original
@@ -133,10 +142,15 @@ class Record:
         self.modified = False
         self.unpacks = 0
         self.owner = owner
+        self.witness = witness
+        self.compute = compute
 
     def __del__(self) -> None:
         # See Note [Record lifetime]: no locks here.
         device_tensor = self.device_tensor
-        if device_tensor is not None and self.copy_event is not None:
-            self.owner.channel.release_after_copies(device_tensor)
+        if device_tensor is not None:
+            channel = self.owner.channel
+            channel.release_original(device_tensor, self.compute)
+            if self.copy_event is not None:
+                channel.release_after_copies(device_tensor)
         self.owner.graveyard.append((self.block, self.key, self.sequence))

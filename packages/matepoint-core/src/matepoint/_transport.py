@@ -16,6 +16,12 @@ Note [Stream ordering]
       write it in place either); an original referenced elsewhere stays watched until the copy's
       event has completed and its version is checked, so an in-place write that raced the copy
       is caught, never used. A graph that dies mid-copy hands its originals over the same way.
+    - user streams: the checkpointed function may read an input on a stream other than the one
+      that allocated it (the user ordered the streams; torch's checkpoint then keeps the input
+      alive until backward, which hides the missing ``record_stream``). Whenever the engine lets
+      an original go, it is marked ``record_stream(compute)`` for the compute stream current at
+      pack time, so its memory is not reused before that stream's queued reads are done. For a
+      tensor allocated on that same stream the allocator ignores the mark.
     - copy in (backward): the destination is allocated from the side stream's pool, so no compute
       kernel can still be using that memory, and the copy starts at once. Before the compute
       stream reads it, the compute stream waits on the copy's event, and the tensor is marked
@@ -53,8 +59,16 @@ class Channel(Protocol):
     def allocate_pageable(self, nbytes: int) -> torch.Tensor:
         """Return ``nbytes`` of ordinary host memory as a 1-D uint8 tensor."""
 
-    def copy_out(self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int) -> Any:
-        """Queue ``host.copy_(source)`` on the side stream after compute; return its event."""
+    def current_compute(self) -> Any:
+        """Return the compute stream now current on the device (a token for the engine)."""
+
+    def copy_out(
+        self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int, compute: Any = None
+    ) -> Any:
+        """Queue ``host.copy_(source)`` on the side stream after ``compute``; return its event.
+
+        ``compute`` is :meth:`current_compute`'s token when the caller has it, else None.
+        """
 
     def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
         """Queue a copy of ``host`` into a new device tensor on the side stream; return both."""
@@ -74,7 +88,14 @@ class Channel(Protocol):
     def release_after_copies(self, tensor: torch.Tensor) -> None:
         """Let ``tensor`` go once the side stream's queued work is done (allocator lifetime).
 
-        Called only when a checkpoint's graph dies while its copy may still run.
+        Called when the engine lets a device original go while its copy may still run.
+        """
+
+    def release_original(self, tensor: torch.Tensor, compute: Any) -> None:
+        """Let ``tensor`` go once the work queued on ``compute`` so far is done.
+
+        ``compute`` is the stream its checkpoint ran on (:meth:`current_compute` at pack time),
+        which may differ from the stream the tensor was allocated on. See Note [Stream ordering].
         """
 
     def is_complete(self, event: Any) -> bool:
@@ -117,9 +138,13 @@ class _CudaChannel:
         return compat.allocate_pinned(nbytes)
 
     def allocate_pageable(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        # Host blocks name their device: a default-device context must not put them on the GPU.
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
     def _compute_stream(self) -> Any:
+        return self._module.current_stream(self.index)
+
+    def current_compute(self) -> Any:
         return self._module.current_stream(self.index)
 
     def _on_side_stream(self, compute: Any, copy: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -133,8 +158,11 @@ class _CudaChannel:
         finally:
             compat.set_current_stream(self._module, compute)
 
-    def copy_out(self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int) -> Any:
-        compute = self._compute_stream()
+    def copy_out(
+        self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int, compute: Any = None
+    ) -> Any:
+        if compute is None:
+            compute = self._compute_stream()
         self._compute_done.record(compute)
         self.side_stream.wait_event(self._compute_done)
         compat.delay_stream(self.side_stream, delay_cycles)
@@ -184,6 +212,9 @@ class _CudaChannel:
 
     def release_after_copies(self, tensor: torch.Tensor) -> None:
         tensor.record_stream(self.side_stream)
+
+    def release_original(self, tensor: torch.Tensor, compute: Any) -> None:
+        tensor.record_stream(compute)
 
     def is_complete(self, event: Any) -> bool:
         return bool(event.query())

@@ -75,9 +75,13 @@ class _FakeStream:
 
 
 def _poison(tensor: torch.Tensor) -> None:
-    tensor.view(torch.uint8).fill_(POISON_BYTE) if tensor.is_contiguous() else tensor.fill_(
-        float("nan") if tensor.is_floating_point() or tensor.is_complex() else -1
-    )
+    """Fill every byte of ``tensor``'s storage with the poison byte, whatever its shape or dtype.
+
+    Copy destinations own their storage (a fresh tensor, or an exact-size host block), so the
+    whole storage is the destination.
+    """
+    storage = tensor.untyped_storage()
+    torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage).fill_(POISON_BYTE)
 
 
 class _QueuedRead:
@@ -104,14 +108,19 @@ class _CPUTestChannel:
         if limit is not None and self.owner.pinned_bytes + nbytes > limit:
             raise RuntimeError("CUDA error: out of memory (simulated pinned host allocation)")
         self.owner.pinned_bytes += nbytes
-        block = torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8)
+        block = torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8, device="cpu")
         self.owner.host_buffers.add(block.data_ptr())
         return block
 
     def allocate_pageable(self, nbytes: int) -> torch.Tensor:
-        return torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8)
+        return torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8, device="cpu")
 
-    def copy_out(self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int) -> Any:
+    def current_compute(self) -> Any:
+        return None
+
+    def copy_out(
+        self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int, compute: Any = None
+    ) -> Any:
         self.owner.copies_out += 1
         source_ref = weakref.ref(source)
         snapshot_version = source._version
@@ -138,7 +147,7 @@ class _CPUTestChannel:
 
     def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
         self.owner.copies_in += 1
-        target = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype)
+        target = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device="cpu")
         _poison(target)
 
         def run() -> None:
@@ -173,6 +182,10 @@ class _CPUTestChannel:
         for read in self.queued_reads.get(tensor, ()):
             read.memory = tensor.detach()
 
+    def release_original(self, tensor: torch.Tensor, compute: Any) -> None:
+        # The CPU stands in with one compute stream, which orders every read already.
+        self.owner.originals_released += 1
+
     def is_complete(self, event: Any) -> bool:
         if not event.done and self.owner.completion == "on_query":
             self.side.run_until(event)
@@ -201,6 +214,8 @@ class CPUTestTransport:
         copies_out: Copies to the host queued so far.
         copies_in: Copies back queued so far.
         pinned_bytes: Simulated pinned bytes allocated so far (never decreases).
+        originals_released: Device originals the engine let go (each ordered against the
+            stream its checkpoint ran on, on a real device).
     """
 
     def __init__(
@@ -215,6 +230,7 @@ class CPUTestTransport:
         self.copies_out = 0
         self.copies_in = 0
         self.pinned_bytes = 0
+        self.originals_released = 0
         self.host_buffers: set[int] = set()
         self._channel = _CPUTestChannel(self)
 
