@@ -433,6 +433,7 @@ DOCS_ORDER = (
     ("Home", "index.md"),
     ("Quickstart", "quickstart.md"),
     ("API", "api.md"),
+    ("Differences from torch", "differences.md"),
     ("Configuration", "configuration.md"),
     ("How it works", "how-it-works.md"),
     ("Torch compatibility", "compat.md"),

@@ -65,7 +65,8 @@ def _linear_step(ckpt: Checkpoint) -> list[torch.Tensor]:
     h = ckpt(lambda a: torch.tanh(layer(a)), x * 1)
     h = ckpt(lambda a: torch.sin(a) * 2, h)
     h.square().sum().backward()
-    assert x.grad is not None and layer.weight.grad is not None
+    assert x.grad is not None
+    assert layer.weight.grad is not None
     return [h.detach(), x.grad, layer.weight.grad]
 
 
@@ -244,11 +245,13 @@ def _lazy_bit_views(ckpt: Checkpoint) -> list[torch.Tensor]:
     y = torch.randn(4, 16, requires_grad=True)
     conj = (x * 1).conj()
     negative = torch._neg_view(y * 1)
-    assert conj.is_conj() and negative.is_neg()
+    assert conj.is_conj()
+    assert negative.is_neg()
     h = ckpt(lambda a, b: (a * 2j).real * a.imag + torch.tanh(b), conj, negative)
     h = ckpt(torch.sin, h * 1)
     h.square().sum().backward()
-    assert x.grad is not None and y.grad is not None
+    assert x.grad is not None
+    assert y.grad is not None
     return [h.detach(), x.grad, y.grad]
 
 
@@ -291,7 +294,8 @@ def test_keyword_tensors_still_offload_and_match_torch(cpu_transport: CPUTestTra
             lambda a, *, s: torch.nn.functional.dropout(torch.tanh(a) * s, 0.5), x * 1, s=scale * 1
         )
         h.square().sum().backward()
-        assert x.grad is not None and scale.grad is not None
+        assert x.grad is not None
+        assert scale.grad is not None
         return [h.detach(), x.grad, scale.grad]
 
     assert _assert_same(step) == "ok"
@@ -308,7 +312,8 @@ def test_zero_dim_inputs_offload_and_match_torch(cpu_transport: CPUTestTransport
         h = ckpt(lambda a, s: torch.tanh(a) * s, x * 1, scalar * 1)
         h = ckpt(lambda a, s: torch.sin(a) + s, h, (scalar * 2).sum())
         h.square().sum().backward()
-        assert x.grad is not None and scalar.grad is not None
+        assert x.grad is not None
+        assert scalar.grad is not None
         return [h.detach(), x.grad, scalar.grad]
 
     assert _assert_same(step) == "ok"
@@ -349,7 +354,8 @@ def test_every_dtype_and_shape_comes_back_bitwise(
     out.sum().backward()
     assert len(seen) == 2
     forward, recomputed = seen
-    assert recomputed.dtype == dtype and recomputed.shape == value.shape
+    assert recomputed.dtype == dtype
+    assert recomputed.shape == value.shape
     assert (
         recomputed.view(torch.uint8).equal(forward.view(torch.uint8))
         if value.dim()
@@ -357,7 +363,7 @@ def test_every_dtype_and_shape_comes_back_bitwise(
     )
 
 
-# -- 7. keyword arguments matepoint consumes ---------------------------------------------------------
+# -- 7. keyword arguments matepoint consumes ----------------------------------------------------
 
 
 def test_legacy_keywords_reach_a_function_that_declares_them() -> None:

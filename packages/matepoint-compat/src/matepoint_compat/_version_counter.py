@@ -14,6 +14,7 @@ Note [Version witness]
 from __future__ import annotations
 
 import torch
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 __all__ = ["version_witness"]
 
@@ -40,6 +41,6 @@ def version_witness(tensor: torch.Tensor) -> torch.Tensor:
         True
     """
     witness = tensor.detach()
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensor):
-        witness.set_()
+    with torch.no_grad(), _unsafe_preserve_version_counter(tensor):
+        witness.set_()  # type: ignore[call-overload]  # the no-argument form is real, untyped
     return witness

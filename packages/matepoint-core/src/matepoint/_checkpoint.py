@@ -150,8 +150,10 @@ def checkpoint(
     before backward needs them, on a side stream that overlaps compute. Device memory for
     activations then stays flat as the model gets deeper, at the cost of host RAM and PCIe
     traffic that the overlap hides. Tensors nested in tuples, lists, dicts and keyword arguments
-    are offloaded too; parameters, tensors below ``min_offload_bytes`` and tensors not on an
-    accelerator stay where they are. Gradients are identical to torch's checkpoint.
+    are offloaded too (see Note [Keyword tensors and device RNG state]); parameters and their
+    views, conj/neg views, tensors below ``min_offload_bytes`` and tensors not on an accelerator
+    stay where they are. Gradients are identical to torch's checkpoint. The one deliberate
+    difference: ``use_reentrant`` defaults to ``False``.
 
     Args:
         function: What to run. With no function and no args, returns a decorator configured by
@@ -167,7 +169,8 @@ def checkpoint(
             ``determinism_check``, ``debug``, ``early_stop``, ``respect_saved_tensors_hooks``,
             accepted on every torch matepoint supports where they can be honoured), then keyword
             arguments of ``function``. The 0.1.x keywords ``stream=``, ``matepoint_ctx=`` and
-            ``check_inplace_modifications=`` are accepted with a deprecation warning.
+            ``check_inplace_modifications=`` reach a ``function`` that declares them (or takes
+            ``**kwargs``), as with torch; otherwise they are dropped with a deprecation warning.
 
     Returns:
         What ``function`` returns.
