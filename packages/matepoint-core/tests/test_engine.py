@@ -236,21 +236,27 @@ def test_shared_input_is_offloaded_once(transport: CPUTestTransport) -> None:
     assert_nothing_leaked()
 
 
-def test_shared_input_after_release_is_fetched_once_per_use(
-    fast_transport: CPUTestTransport,
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_shared_input_after_release_is_fetched_once_per_backward(
+    fast_transport: CPUTestTransport, prefetch: int
 ) -> None:
     x = torch.randn(4, 16, requires_grad=True)
-    with matepoint.options(stash_bytes=0, prefetch=0):
+    with matepoint.options(stash_bytes=0, prefetch=prefetch):
         h = x * 1
         first = matepoint.checkpoint(torch.sin, h)
         second = matepoint.checkpoint(torch.cos, h)
         del h
-        (first * second).sum().backward()
+        # A later offload lets the shared original go (stash 0), so backward must fetch it.
+        third = matepoint.checkpoint(torch.tanh, first * second)
+        third.sum().backward()
     snapshot = matepoint.stats()
-    assert snapshot.offloads == 1
+    assert snapshot.offloads == 2
     assert snapshot.dedupe_hits == 1
+    assert snapshot.fetches == 1  # one copy back serves both checkpoints
+    assert snapshot.shared_fetch_hits == 1
     sin, cos = torch.sin(x.detach()), torch.cos(x.detach())
-    torch.testing.assert_close(x.grad, cos * cos - sin * sin)
+    outer = 1 - torch.tanh(sin * cos) ** 2
+    torch.testing.assert_close(x.grad, outer * (cos * cos - sin * sin))
     assert_nothing_leaked()
 
 

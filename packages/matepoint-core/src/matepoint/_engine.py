@@ -245,6 +245,7 @@ class ChannelEngine:
             shared = shared_ref() if shared_ref is not None else None
             if shared is not None and shared.original() is not None and not shared.modified:
                 self.counters.dedupe_hits += 1
+                shared.packs += 1
                 return shared
             nbytes = tensor.numel() * tensor.element_size()
             compute = self.channel.current_compute()
@@ -398,6 +399,10 @@ class ChannelEngine:
                 self.counters.stash_hits += 1
                 self.counters.bytes_served_from_stash += record.nbytes
                 result = original
+            elif record.fetched is not None:
+                # Shared by several checkpoints: fetched already for one of them in this pass.
+                result = record.fetched
+                self.counters.shared_fetch_hits += 1
             elif record.prefetched is not None:
                 result = record.prefetched
                 self._wait(record.prefetch_event, options)
@@ -415,6 +420,11 @@ class ChannelEngine:
                 result = self.channel.copy_in_now(record.host)
                 self.counters.fetches += 1
                 self.counters.bytes_fetched += record.nbytes
+            # Note [Shared records]: a record saved by N checkpoints is unpacked N times per
+            # backward pass. The first unpack's device copy is kept for the other N-1, then let go,
+            # so the tensor crosses the link once each way per step.
+            shared_unpacks_left = record.unpacks % record.packs != 0
+            record.fetched = result if shared_unpacks_left and original is None else None
             if record.pipelined and options.prefetch > 0:
                 self._prefetch_before(record, options)
             return result
@@ -455,6 +465,7 @@ class ChannelEngine:
             started += 1
             if (
                 candidate.prefetched is not None
+                or candidate.fetched is not None
                 or candidate.modified
                 or candidate.original() is not None
             ):

@@ -85,6 +85,9 @@ class Record:
         compute: The compute stream current when it was packed (the stream the checkpointed
             function read it on), for ordering the release of the device original.
         unpacks: How many times autograd unpacked it (twice with ``retain_graph``).
+        packs: How many checkpoints saved it (more than one when dedupe shared it).
+        fetched: For a record several checkpoints share, the device copy the first of them
+            fetched in this backward, served to the others so it crosses the link once.
     """
 
     __slots__ = (
@@ -94,12 +97,14 @@ class Record:
         "copy_event",
         "device_tensor",
         "dtype",
+        "fetched",
         "host",
         "key",
         "modified",
         "nbytes",
         "original",
         "owner",
+        "packs",
         "pipelined",
         "prefetch_event",
         "prefetched",
@@ -141,6 +146,8 @@ class Record:
         self.prefetch_event: Any = None
         self.modified = False
         self.unpacks = 0
+        self.packs = 1
+        self.fetched: torch.Tensor | None = None
         self.owner = owner
         self.witness = witness
         self.compute = compute

@@ -21,6 +21,7 @@ class Counters:
     stash_hits: int = 0
     bytes_served_from_stash: int = 0
     dedupe_hits: int = 0
+    shared_fetch_hits: int = 0
     offloads_freed_nothing: int = 0
     throttled_waits: int = 0
     compute_wait_seconds: float = 0.0
@@ -54,6 +55,8 @@ class OffloadStats(Counters):
             elsewhere), with no copy back.
         bytes_served_from_stash: Their bytes.
         dedupe_hits: Saves of a tensor already offloaded by another checkpoint.
+        shared_fetch_hits: Unpacks of such a shared tensor served by the copy another of its
+            checkpoints fetched in the same backward pass (no second copy back).
         offloads_freed_nothing: Offloads whose device original something else kept alive, so
             releasing it freed no device memory.
         throttled_waits: Times the host waited for a copy to bound the bytes in flight.
@@ -104,7 +107,10 @@ def format_report(stats: OffloadStats) -> str:
             "served on device",
             f"{stats.stash_hits} unpacks, {_bytes(stats.bytes_served_from_stash)} (no copy back)",
         ),
-        ("shared (dedupe)", f"{stats.dedupe_hits} saves"),
+        (
+            "shared (dedupe)",
+            f"{stats.dedupe_hits} saves, {stats.shared_fetch_hits} unpacks served by one fetch",
+        ),
         (
             "freed nothing",
             f"{stats.offloads_freed_nothing} offloads (original kept alive elsewhere)",
