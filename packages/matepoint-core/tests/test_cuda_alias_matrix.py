@@ -264,6 +264,10 @@ def _assert_same_values(got: list[torch.Tensor], expected: list[torch.Tensor]) -
 def _cleared() -> None:
     # pytest keeps the last failed test's traceback; its frames would keep graphs alive.
     sys.last_type = sys.last_value = sys.last_traceback = None
+    # cuBLAS keeps a workspace per stream from the first product on: make it before measuring.
+    (
+        torch.ones(8, 8, device="cuda", requires_grad=True) @ torch.ones(8, 8, device="cuda")
+    ).sum().backward()
     gc.collect()
     torch.cuda.synchronize()
     matepoint.reset_stats()
@@ -313,3 +317,44 @@ def test_matches_torch_or_raises_and_leaks_nothing(
     del got, expected
     after = _levels_back_to(before)
     assert after == before, f"(allocated, live records, pool in use) {before} -> {after}"
+
+
+@pytest.mark.usefixtures("_cleared")
+@pytest.mark.parametrize("checkpoint_on", ["default stream", "user stream"])
+def test_input_released_only_after_the_stream_that_reads_it(checkpoint_on: str) -> None:
+    """An input allocated on one stream and read late on another is not reused under the read.
+
+    The input is made on one stream, the checkpoint runs on the other and reads it after a long
+    sleep; the user drops the input, and the allocating stream at once fills every block of that
+    size with NaN. The release must wait for the reading stream (torch's checkpoint keeps the
+    input alive until backward, so it never sees this).
+    """
+    user = torch.cuda.Stream()
+    default = torch.cuda.current_stream()
+    allocate_on, read_on = (user, default) if checkpoint_on == "default stream" else (default, user)
+    options = matepoint.OffloadOptions(min_offload_bytes=0, stash_bytes=0, max_inflight_bytes=0)
+
+    def slow(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(100_000_000)  # ~50 ms: the read comes long after the host moves on
+        return torch.sin(a) * a * weight
+
+    torch.manual_seed(0)
+    expected = torch.sin(torch.randn(ROWS, WIDTH, device="cuda"))
+    torch.manual_seed(0)
+    allocate_on.wait_stream(default)
+    with torch.cuda.stream(allocate_on):
+        value = torch.randn(ROWS, WIDTH, device="cuda")
+    read_on.wait_stream(allocate_on)
+    with torch.cuda.stream(read_on):
+        weight = torch.ones((), device="cuda", requires_grad=True)
+        h = matepoint.checkpoint(slow, value, weight, offload=options)
+        del value
+        h2 = matepoint.checkpoint(torch.cos, h * 1, offload=options)  # lets the first go
+    with torch.cuda.stream(allocate_on):
+        junk = [torch.full((ROWS, WIDTH), float("nan"), device="cuda") for _ in range(16)]
+    del junk
+    default.wait_stream(read_on)
+    torch.cuda.synchronize()
+    assert torch.equal(h.detach(), torch.sin(expected) * expected)
+    h2.sum().backward()
+    torch.cuda.synchronize()
