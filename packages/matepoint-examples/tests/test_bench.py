@@ -32,12 +32,18 @@ def test_workload_registry_matches_design() -> None:
     gpt = get_workload("gpt12")
     shape_gpt = (gpt.kind, gpt.depth, gpt.width, gpt.vocab_size, gpt.tokens)
     assert shape_gpt == ("gpt", 12, 768, 65536, 2048)
-    assert set(WORKLOADS) >= {"deep96", "deep48", "light48", "deep192", "gpt12", "cpu-small"}
+    nanochat = get_workload("nanochat12")
+    shape_nanochat = (nanochat.depth, nanochat.batch, nanochat.tokens, nanochat.dtype)
+    assert shape_nanochat == (12, 8, 2048, "bf16")
+    assert (nanochat.vocab_size, nanochat.x0_mixing, gpt.x0_mixing) == (65536, True, False)
+    assert set(WORKLOADS) >= {
+        "deep96", "deep48", "light48", "deep192", "gpt12", "nanochat12", "cpu-small"
+    }  # fmt: skip
     with pytest.raises(KeyError):
         get_workload("nope")
 
 
-@pytest.mark.parametrize("name", ["cpu-small", "gpt12"])
+@pytest.mark.parametrize("name", ["cpu-small", "gpt12", "nanochat12"])
 def test_build_tiny_workloads(name: str) -> None:
     w = get_workload(name).with_overrides(
         depth=1, width=32, heads=2, batch=1, tokens=8, vocab_size=32, head_dim=16
@@ -95,22 +101,43 @@ def test_unknown_workload_is_an_argument_error() -> None:
     assert bench.main(["--device", "cpu", "--workloads", "nope", "--out", "unused"]) == 2
 
 
+def test_worker_paired_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--worker", "paired", "--workload", "cpu-small", "--device", "cpu", "--rounds", "2"]
+    args += ["--warmup", "0", "--strategies", "torch,copies-floor,torchtune", *TINY]
+    result = _worker_json(capsys, args)
+    assert result["mode"] == "paired"
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert rows["torch"]["ratio"] == 1.0
+    assert rows["torch"]["depth"] == 2  # the overrides reached the worker
+    assert rows["copies-floor"]["status"] == "ok"
+    assert len(rows["copies-floor"]["times"]) == 2
+    assert rows["torchtune"]["status"] == "skipped"
+
+
 def test_end_to_end_subprocesses(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     rc = bench.main(
-        ["--device", "cpu", "--mode", "train", "--strategies", "torch,torchtune", "--steps", "1",
-         "--warmup", "0", "--out", str(out), *TINY]
+        ["--device", "cpu", "--mode", "all", "--strategies", "copies-floor,torchtune",
+         "--rounds", "2", "--steps", "1", "--warmup", "0", "--out", str(out), "--quick", *TINY]
     )  # fmt: skip
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
-    rows = {r["strategy"]: r for r in data["train"]}
-    assert set(rows) == {"torch", "torchtune"}
-    assert rows["torch"]["status"] == "ok", rows
-    assert rows["torch"]["depth"] == 2  # the overrides reached the worker
-    assert rows["torch"]["ratio_to_torch"] == 1.0
-    assert rows["torchtune"]["status"] == "skipped"
-    md_rows = (out / "results.md").read_text().count("| cpu-small |")
-    assert md_rows == 2
+    paired = {r["strategy"]: r for r in data["paired"]}
+    # torch's checkpoint is the reference, so a paired run adds it.
+    assert list(paired) == ["torch", "copies-floor", "torchtune"]
+    assert paired["torch"]["ratio"] == 1.0
+    assert paired["copies-floor"]["ratio_q1"] <= paired["copies-floor"]["ratio"]
+    assert paired["copies-floor"]["ratio"] <= paired["copies-floor"]["ratio_q3"]
+    memory = {r["strategy"]: r for r in data["memory"]}
+    assert set(memory) == {"copies-floor", "torchtune"}  # memory runs only what was asked
+    assert memory["copies-floor"]["status"] == "ok", memory
+    assert memory["copies-floor"]["depth"] == 2
+    assert "ratio_to_torch" not in memory["copies-floor"]  # no per-process ratio any more
+    assert memory["torchtune"]["status"] == "skipped"
+    assert data["transfer"]["status"] == "ok"
+    md = (out / "results.md").read_text()
+    assert md.count("| cpu-small | copies-floor | ok |") == 2  # paired and memory tables
+    assert "[" in md.split("| cpu-small | copies-floor | ok |")[1].splitlines()[0]  # the IQR
     assert (out / "step_time_ratio.png").stat().st_size > 0
     assert (out / "memory_vs_depth.png").stat().st_size > 0
 

@@ -135,3 +135,45 @@ def test_gpt_matepoint_matches_torch() -> None:
     with use_transport(CPUTestTransport()), matepoint.options(min_offload_bytes=0):
         got = _gpt_grads(get_strategy("matepoint").checkpoint_fn)
     assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+TINY_NANOCHAT = GPTConfig(depth=3, width=64, head_dim=32, seq_len=16, vocab_size=64, x0_mixing=True)
+
+
+def test_nanochat_mixing_passes_x0_to_every_checkpoint() -> None:
+    calls: list[tuple[Any, ...]] = []
+    torch.manual_seed(0)
+    model = NanoGPT(TINY_NANOCHAT, checkpoint_fn=_counting(calls))
+    idx, targets = model.example_batch(2)
+    model(idx, targets).backward()
+    assert len(calls) == TINY_NANOCHAT.depth
+    assert all(len(args) == 2 for args in calls)
+    x0 = calls[0][1]
+    assert calls[0][0] is x0  # block 0 mixes x0 with itself
+    assert all(args[1] is x0 for args in calls)  # one tensor, shared by every checkpoint
+    assert len({id(args[0]) for args in calls}) == TINY_NANOCHAT.depth
+    assert model.resid_lambdas is not None
+    assert model.x0_lambdas is not None
+    for scalars in (model.resid_lambdas, model.x0_lambdas):
+        assert scalars.grad is not None
+        assert scalars.grad.shape == (TINY_NANOCHAT.depth,)
+        assert bool((scalars.grad != 0).all())
+    assert NanoGPT(TINY_GPT).resid_lambdas is None
+
+
+def test_nanochat_matepoint_matches_torch() -> None:
+    def grads(checkpoint_fn: CheckpointFn) -> list[Tensor]:
+        torch.manual_seed(0)
+        model = NanoGPT(TINY_NANOCHAT, checkpoint_fn=checkpoint_fn)
+        model(*model.example_batch(2)).backward()
+        return _grads(model)
+
+    ref = grads(get_strategy("torch").checkpoint_fn)
+    with use_transport(CPUTestTransport()), matepoint.options(min_offload_bytes=0):
+        matepoint.reset_stats()
+        got = grads(get_strategy("matepoint").checkpoint_fn)
+        stats = matepoint.stats()
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    # x0 is offloaded once, however many checkpoints save it.
+    assert stats.offloads == TINY_NANOCHAT.depth
+    assert stats.dedupe_hits >= TINY_NANOCHAT.depth - 1

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from matepoint_examples.models import DeepLatentConfig, DeepLatentStack
-from matepoint_examples.strategies import STRATEGIES, Strategy, get_strategy, strategy_names
+from matepoint_examples.strategies import (
+    DEFAULT_STRATEGIES,
+    STRATEGIES,
+    Strategy,
+    get_strategy,
+    strategy_names,
+)
 
 CPU = torch.device("cpu")
 TINY = DeepLatentConfig(depth=2, width=32, heads=2, batch=2, tokens=8)
@@ -31,10 +37,23 @@ def test_registry_names_and_order() -> None:
         "torchtune",
         "matepoint",
         "matepoint-nopipeline",
+        "copies-floor",
+        "copies-floor-out",
+        "copies-floor-refetch",
+        "link-busy",
+        "matepoint-nowaittiming",
     ]
     assert all(STRATEGIES[n].name == n for n in STRATEGIES)
     uses = {n for n, s in STRATEGIES.items() if s.uses_matepoint}
-    assert uses == {"matepoint", "matepoint-nopipeline"}
+    assert uses == {"matepoint", "matepoint-nopipeline", "matepoint-nowaittiming"}
+    probes = {n for n, s in STRATEGIES.items() if s.probe}
+    assert probes == {
+        "copies-floor-out",
+        "copies-floor-refetch",
+        "link-busy",
+        "matepoint-nowaittiming",
+    }
+    assert list(DEFAULT_STRATEGIES) == [n for n in STRATEGIES if n not in probes]
 
 
 def test_unknown_strategy_lists_known_names() -> None:
@@ -48,7 +67,12 @@ def test_torchtune_needs_cuda_or_package() -> None:
     assert "torchtune" in reason or "CUDA" in reason
 
 
-@pytest.mark.parametrize("name", [n for n in STRATEGIES if n not in ("torch", "torchtune")])
+CPU_RUNNABLE = [
+    n for n, s in STRATEGIES.items() if n not in ("torch", "torchtune") and not s.needs_cuda
+]
+
+
+@pytest.mark.parametrize("name", CPU_RUNNABLE)
 def test_strategy_gradients_equal_torch_checkpoint(name: str) -> None:
     strategy = get_strategy(name)
     assert strategy.unavailable_reason(CPU) is None
@@ -58,9 +82,23 @@ def test_strategy_gradients_equal_torch_checkpoint(name: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
 
 
-def test_matepoint_strategy_offloads_on_cpu() -> None:
-    import matepoint
+@pytest.mark.parametrize("name", ["matepoint", "matepoint-nowaittiming"])
+def test_matepoint_strategy_offloads_on_cpu(name: str) -> None:
+    strategy = get_strategy(name)
+    assert strategy.reset_stats is not None
+    assert strategy.stats is not None
+    strategy.reset_stats()
+    _grads(strategy)
+    assert strategy.stats()["bytes_offloaded"] > 0
 
-    matepoint.reset_stats()
-    _grads(get_strategy("matepoint"))
-    assert matepoint.stats().bytes_offloaded > 0
+
+def test_no_wait_timing_options_follow_the_defaults() -> None:
+    import matepoint
+    from matepoint_examples.strategies import _NO_WAIT_TIMING
+
+    first = _NO_WAIT_TIMING.get()
+    assert first.measure_waits is False
+    assert _NO_WAIT_TIMING.get() is first  # derived once, not per call
+    with matepoint.options(prefetch=5):
+        changed = _NO_WAIT_TIMING.get()
+        assert (changed.prefetch, changed.measure_waits) == (5, False)

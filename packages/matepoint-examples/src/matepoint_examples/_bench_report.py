@@ -13,13 +13,16 @@ from rich.table import Table
 from matepoint_examples._runtime import format_bytes
 
 __all__ = [
-    "COLUMNS",
-    "add_ratios",
+    "MEMORY_COLUMNS",
+    "PAIRED_COLUMNS",
+    "add_host_baselines",
     "notes",
     "plot_memory_vs_depth",
     "plot_step_time_ratio",
     "plot_timelines",
-    "rich_table",
+    "ratio_cell",
+    "rich_memory_table",
+    "rich_paired_table",
     "transfer_markdown",
     "write_json",
     "write_markdown",
@@ -30,31 +33,26 @@ REFERENCE = "torch"
 Row = dict[str, Any]
 
 
-def add_ratios(rows: Sequence[Row]) -> None:
-    """Add ``ratio_to_torch`` (step time over torch checkpoint's, same workload) to each row.
+def add_host_baselines(rows: Sequence[Row]) -> None:
+    """Add host RAM beyond torch checkpoint's (same workload) to each one-process-per-strategy row.
+
+    Host RSS also grows for reasons common to every strategy (allocator and library state after
+    the first steps); torch checkpoint's growth is that baseline. No step-time ratio is taken
+    here: separate processes differ by more than the effects measured (the paired rows carry
+    the ratios).
 
     Args:
-        rows: Train results from the workers; changed in place.
+        rows: Memory results from the workers; changed in place.
     """
-    ref = {
-        r["workload"]: r["step_time_s"]
-        for r in rows
-        if r.get("strategy") == REFERENCE and r.get("status") == "ok"
-    }
     ref_host = {
         r["workload"]: r.get("host_rss_delta_bytes")
         for r in rows
         if r.get("strategy") == REFERENCE and r.get("status") == "ok"
     }
     for r in rows:
-        base = ref.get(r.get("workload", ""))
-        ok = r.get("status") == "ok" and base
-        r["ratio_to_torch"] = r["step_time_s"] / base if ok else None
-        # Host RSS also grows for reasons common to every strategy (allocator and library
-        # state after the first steps); torch checkpoint's growth is that baseline.
         host, host_ref = r.get("host_rss_delta_bytes"), ref_host.get(r.get("workload", ""))
         offloaded = r.get("bytes_offloaded")
-        if ok and host is not None and host_ref is not None:
+        if r.get("status") == "ok" and host is not None and host_ref is not None:
             r["host_extra_vs_torch_bytes"] = host - host_ref
             if offloaded:
                 r["host_per_offloaded"] = (host - host_ref) / offloaded
@@ -70,17 +68,92 @@ def _num(x: Any, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _cells(r: Row) -> list[str]:
-    """Return the table cells of one result row (the note of a failed row goes in a footnote)."""
+def ratio_cell(median: Any, q1: Any = None, q3: Any = None) -> str:
+    """Format a paired ratio as ``median [q1-q3]`` (``-`` when missing).
+
+    Args:
+        median: The median per-round ratio.
+        q1: Its first quartile. Default: ``None`` (no range shown).
+        q3: Its third quartile. Default: ``None``.
+
+    Returns:
+        E.g. ``"1.068 [1.060-1.072]"``.
+    """
+    if median is None:
+        return "-"
+    if q1 is None or q3 is None:
+        return f"{median:.3f}"
+    return f"{median:.3f} [{q1:.3f}-{q3:.3f}]"
+
+
+def _metric_ratio(r: Row, metric: str) -> str:
+    """Return the median per-round ratio of one metric of a paired row (no range)."""
+    summary = r.get("ratios", {}).get(metric)
+    return "-" if not summary else f"{summary['median']:.3f}"
+
+
+def _moved(r: Row) -> tuple[Any, Any]:
+    """Return the bytes a strategy copied out and back in its counted step (or ``None``)."""
+    stats = r.get("stats") or {}
+    out = stats.get("bytes_offloaded", stats.get("bytes_out"))
+    back = stats.get("bytes_fetched", stats.get("bytes_in"))
+    return out, back
+
+
+PAIRED_COLUMNS = [
+    "workload",
+    "strategy",
+    "status",
+    "step ms",
+    "/ torch [IQR]",
+    "fwd host / torch",
+    "fwd GPU / torch",
+    "bwd GPU / torch",
+    "out / step",
+    "back / step",
+]
+
+MEMORY_COLUMNS = [
+    "workload",
+    "strategy",
+    "status",
+    "held after fwd",
+    "peak",
+    "host RAM vs torch",
+    "offloaded",
+    "link GB/s",
+    "host / offloaded",
+]
+
+
+def _paired_cells(r: Row) -> list[str]:
+    """Return the paired table's cells of one row (a failed row's note goes in a footnote)."""
     status = str(r.get("status", "?"))
     head = [str(r.get("workload", "?")), str(r.get("strategy", "?")), status]
     if status != "ok":
-        return head + ["-"] * (len(COLUMNS) - 3)
+        return head + ["-"] * (len(PAIRED_COLUMNS) - 3)
     t = r.get("step_time_s")
+    out, back = _moved(r)
     return [
         *head,
         "-" if t is None else f"{t * 1e3:.1f}",
-        _num(r.get("ratio_to_torch"), ".3f"),
+        ratio_cell(r.get("ratio"), r.get("ratio_q1"), r.get("ratio_q3")),
+        _metric_ratio(r, "forward_host_s"),
+        _metric_ratio(r, "forward_gpu_s"),
+        _metric_ratio(r, "backward_gpu_s"),
+        _bytes(out),
+        _bytes(back),
+    ]
+
+
+def _memory_cells(r: Row) -> list[str]:
+    """Return the memory table's cells of one row."""
+    status = str(r.get("status", "?"))
+    head = [str(r.get("workload", "?")), str(r.get("strategy", "?")), status]
+    if status != "ok":
+        return head + ["-"] * (len(MEMORY_COLUMNS) - 3)
+    return [
+        *head,
         _bytes(r.get("held_after_forward_bytes")),
         _bytes(r.get("peak_bytes")),
         _bytes(r.get("host_extra_vs_torch_bytes", r.get("host_rss_delta_bytes"))),
@@ -94,55 +167,63 @@ def notes(rows: Sequence[Row]) -> list[str]:
     """Return one line per row that did not run, saying why.
 
     Args:
-        rows: Train results.
+        rows: Paired or memory results.
 
     Returns:
         Lines like ``"gpt12 / torchtune: skipped: torchtune is not installed"``.
     """
-    return [
-        f"{r.get('workload', '?')} / {r.get('strategy', '?')}: "
-        f"{r.get('status')}: {r.get('note', '')}"
-        for r in rows
-        if r.get("status") != "ok"
-    ]
+    return list(
+        dict.fromkeys(
+            f"{r.get('workload', '?')} / {r.get('strategy', '?')}: "
+            f"{r.get('status')}: {r.get('note', '')}"
+            for r in rows
+            if r.get("status") != "ok"
+        )
+    )
 
 
-COLUMNS = [
-    "workload",
-    "strategy",
-    "status",
-    "step ms",
-    "/ torch",
-    "held after fwd",
-    "peak",
-    "host RAM vs torch",
-    "offloaded",
-    "link GB/s",
-    "host / offloaded",
-]
+def _rich(title: str, columns: Sequence[str], body: Sequence[list[str]]) -> Table:
+    """Build a rich table with the first three columns left-aligned."""
+    table = Table(title=title)
+    for i, c in enumerate(columns):
+        table.add_column(c, justify="left" if i < 3 else "right", no_wrap=i < 3)
+    for cells in body:
+        table.add_row(*cells)
+    return table
 
 
-def rich_table(rows: Sequence[Row], title: str = "matepoint benchmark") -> Table:
-    """Build the terminal table of train results.
+def rich_paired_table(rows: Sequence[Row], title: str = "step time, paired") -> Table:
+    """Build the terminal table of paired step times.
 
     Args:
-        rows: Train results (with ratios added).
+        rows: Paired results.
+        title: Table title.
+
+    Returns:
+        A rich table; matepoint's ratio is green up to 1.03, yellow up to 1.1, red above.
+    """
+    body = []
+    for r in rows:
+        cells = _paired_cells(r)
+        ratio = r.get("ratio")
+        if ratio is not None and str(r.get("strategy", "")).startswith("matepoint"):
+            style = "green" if ratio <= 1.03 else "yellow" if ratio <= 1.1 else "red"
+            cells[4] = f"[{style}]{cells[4]}[/]"
+        body.append(cells)
+    return _rich(title, PAIRED_COLUMNS, body)
+
+
+def rich_memory_table(rows: Sequence[Row], title: str = "memory, one process each") -> Table:
+    """Build the terminal table of the one-process-per-strategy memory results.
+
+    Args:
+        rows: Memory results (with host baselines added).
         title: Table title.
 
     Returns:
         A rich table.
     """
-    table = Table(title=title)
-    for i, c in enumerate(COLUMNS):
-        table.add_column(c, justify="left" if i < 3 else "right", no_wrap=i < 3)
-    for r in rows:
-        cells = _cells(r)
-        ratio = r.get("ratio_to_torch")
-        if ratio is not None and r.get("strategy", "").startswith("matepoint"):
-            style = "green" if ratio <= 1.03 else "yellow" if ratio <= 1.1 else "red"
-            cells[4] = f"[{style}]{cells[4]}[/]"
-        table.add_row(*cells)
-    return table
+    return _rich(title, MEMORY_COLUMNS, [_memory_cells(r) for r in rows])
 
 
 def transfer_markdown(t: Row) -> str:
@@ -169,28 +250,45 @@ def transfer_markdown(t: Row) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _markdown_table(columns: Sequence[str], body: Sequence[list[str]]) -> list[str]:
+    """Render a markdown table (the first three columns left-aligned)."""
+    out = ["| " + " | ".join(columns) + " |"]
+    out.append("| " + " | ".join("---" if i < 3 else "---:" for i in range(len(columns))) + " |")
+    out += ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in body]
+    return out
+
+
 def write_markdown(
-    path: Path, rows: Sequence[Row], transfer: Row | None = None, header: str = ""
+    path: Path,
+    paired: Sequence[Row],
+    memory: Sequence[Row] = (),
+    transfer: Row | None = None,
+    header: str = "",
 ) -> Path:
-    """Write the results as a markdown table (for docs/benchmarks).
+    """Write the results as markdown tables (for docs/benchmarks).
 
     Args:
         path: File to write.
-        rows: Train results (with ratios added).
+        paired: Paired step-time results.
+        memory: One-process-per-strategy memory results (with host baselines added).
+            Default: none.
         transfer: The transfer micro-benchmark result, if run. Default: ``None``.
-        header: Text put above the table (environment, flags). Default: ``""``.
+        header: Text put above the tables (environment, flags). Default: ``""``.
 
     Returns:
         ``path``.
     """
     out = [header.rstrip() + "\n"] if header else []
-    out.append("| " + " | ".join(COLUMNS) + " |")
-    out.append("| " + " | ".join("---" if i < 3 else "---:" for i in range(len(COLUMNS))) + " |")
-    for r in rows:
-        out.append("| " + " | ".join(c.replace("|", "/") for c in _cells(r)) + " |")
-    missing = notes(rows)
-    if missing:
+    if paired:
+        out.append("Step time, paired (median per-round ratio to torch checkpoint [IQR]):\n")
+        out += _markdown_table(PAIRED_COLUMNS, [_paired_cells(r) for r in paired])
         out.append("")
+    if memory:
+        out.append("Memory, one process per strategy:\n")
+        out += _markdown_table(MEMORY_COLUMNS, [_memory_cells(r) for r in memory])
+        out.append("")
+    missing = notes([*paired, *memory])
+    if missing:
         out += [f"- {line}" for line in missing]
     if transfer is not None:
         out.append("\n" + transfer_markdown(transfer))
@@ -235,11 +333,13 @@ def _empty(ax: Any, text: str) -> None:
 
 
 def plot_step_time_ratio(path: Path, rows: Sequence[Row]) -> Path:
-    """Plot step time relative to torch checkpoint, grouped by workload, one bar per strategy.
+    """Plot the paired step-time ratio to torch checkpoint, per workload, one bar per strategy.
+
+    Each bar is the median per-round ratio; its whisker spans the interquartile range.
 
     Args:
         path: PNG file to write.
-        rows: Train results (with ratios added).
+        rows: Paired results.
 
     Returns:
         ``path``.
@@ -251,24 +351,26 @@ def plot_step_time_ratio(path: Path, rows: Sequence[Row]) -> Path:
     width = 0.8 / max(1, len(strategies))
     plotted = False
     for j, s in enumerate(strategies):
-        xs, ys = [], []
+        xs, ys, lo, hi = [], [], [], []
         for i, w in enumerate(workloads):
             for r in rows:
-                if r.get("workload") == w and r.get("strategy") == s and r.get("ratio_to_torch"):
+                if r.get("workload") == w and r.get("strategy") == s and r.get("ratio"):
                     xs.append(i + (j - (len(strategies) - 1) / 2) * width)
-                    ys.append(r["ratio_to_torch"])
+                    ys.append(r["ratio"])
+                    lo.append(r["ratio"] - (r.get("ratio_q1") or r["ratio"]))
+                    hi.append((r.get("ratio_q3") or r["ratio"]) - r["ratio"])
         if xs:
-            ax.bar(xs, ys, width=width, label=s)
+            ax.bar(xs, ys, width=width, label=s, yerr=[lo, hi], capsize=2)
             plotted = True
     if plotted:
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.axhline(1.03, color="red", linewidth=0.8, linestyle="--", label="target 1.03")
         ax.set_xticks(range(len(workloads)), workloads)
-        ax.set_ylabel("step time / torch.utils.checkpoint")
+        ax.set_ylabel("step time / torch.utils.checkpoint (paired)")
         ax.legend(fontsize="small", ncol=2)
     else:
         _empty(ax, "no step-time ratios (torch checkpoint did not run)")
-    ax.set_title("Step time relative to torch.utils.checkpoint")
+    ax.set_title("Step time relative to torch.utils.checkpoint: median per round, IQR whiskers")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -38,6 +38,8 @@ class Workload:
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
         vocab_size: Vocabulary (GPT only). Default: ``65536``.
         head_dim: Head dimension (GPT only). Default: ``128``.
+        x0_mixing: nanochat's per-layer mixing of the embedding ``x0`` into every block, inside
+            the block's checkpoint (GPT only). Default: ``False``.
         description: One line for reports.
     """
 
@@ -51,6 +53,7 @@ class Workload:
     dtype: str
     vocab_size: int = 65536
     head_dim: int = 128
+    x0_mixing: bool = False
     description: str = ""
 
     def torch_dtype(self) -> torch.dtype:
@@ -87,14 +90,17 @@ WORKLOADS: dict[str, Workload] = {
         Workload("deep192", "latent", 192, 1024, 8, 2, 4096, "bf16",
                  description="192 blocks d1024, 2x4096 tokens, bf16"),
         Workload("gpt12", "gpt", 12, 768, 6, 8, 2048, "bf16",
-                 description="nanochat GPT depth 12, batch 8, seq 2048, vocab 65536, bf16"),
+                 description="nanochat-style GPT depth 12, batch 8, seq 2048, vocab 65536, bf16"),
+        Workload("nanochat12", "gpt", 12, 768, 6, 8, 2048, "bf16", x0_mixing=True,
+                 description="nanochat GPT d12 with x0 mixing (x0 is an input of every "
+                 "checkpoint), batch 8, seq 2048, vocab 65536, bf16"),
         Workload("cpu-small", "latent", 8, 256, 4, 2, 256, "fp32",
                  description="8 blocks d256, 2x256 tokens, fp32 (CPU run without a GPU)"),
     )
 }  # fmt: skip
 """Every workload by name; ``cpu-small`` is what runs without a GPU."""
 
-GPU_WORKLOADS = ("deep96", "deep48", "light48", "deep192", "gpt12")
+GPU_WORKLOADS = ("deep96", "deep48", "light48", "deep192", "gpt12", "nanochat12")
 CPU_WORKLOADS = ("cpu-small",)
 
 
@@ -154,6 +160,7 @@ def build(
             head_dim=workload.head_dim,
             seq_len=workload.tokens,
             vocab_size=workload.vocab_size,
+            x0_mixing=workload.x0_mixing,
         )
         with torch.device(device):
             gpt = NanoGPT(gcfg, checkpoint_fn=checkpoint_fn)

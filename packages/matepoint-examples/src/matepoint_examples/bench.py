@@ -1,11 +1,14 @@
-"""``matepoint-bench``: every strategy on every workload, side by side, one subprocess each.
+"""``matepoint-bench``: every strategy on every workload, step times paired, memory per process.
 
-The benchmark reproduces the design's performance table in one run: step time (median after
-warm-up) and its ratio to ``torch.utils.checkpoint``, device bytes held after forward, peak device
-memory, host RAM added, and matepoint's bytes offloaded and link throughput, for no checkpoint,
-torch's checkpoint, ``save_on_cpu``, torchtune's ``OffloadActivations`` and matepoint with and
-without its pipeline. A transfer-bound micro-benchmark compares matepoint's offload and fetch
-bandwidth with raw pinned copies. Results go to a terminal table, ``results.json``,
+The benchmark reproduces the design's performance table in one run. Step times are measured
+*paired*: one process per workload builds one model and optimizer and alternates the strategies
+step by step, and each strategy's ratio to ``torch.utils.checkpoint`` is the median over rounds
+of its step over torch's step in the same round, with the interquartile range (see
+:mod:`matepoint_examples._paired`). Memory is measured with one process per (workload,
+strategy), so that no strategy's allocator state or pinned pool leaks into another's numbers:
+device bytes held after forward, peak device memory, host RAM added, matepoint's bytes offloaded
+and link throughput. A transfer-bound micro-benchmark compares matepoint's offload and fetch
+bandwidth with raw pinned copies. Results go to terminal tables, ``results.json``,
 ``results.md`` and PNG plots. Without a GPU it runs the small ``cpu-small`` workload.
 
 Run ``matepoint-bench --quick`` or ``python -m matepoint_examples.bench --help``.
@@ -29,6 +32,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from matepoint_examples import _bench_report as report
 from matepoint_examples._bench_worker import environment, run_train, run_transfer
+from matepoint_examples._paired import REFERENCE, run_paired
 from matepoint_examples._runtime import resolve_device
 from matepoint_examples._workloads import (
     CPU_WORKLOADS,
@@ -36,7 +40,7 @@ from matepoint_examples._workloads import (
     WORKLOADS,
     get_workload,
 )
-from matepoint_examples.strategies import STRATEGIES
+from matepoint_examples.strategies import DEFAULT_STRATEGIES, STRATEGIES
 
 __all__ = ["main", "run_worker_subprocess"]
 
@@ -63,18 +67,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--strategies",
         type=_csv,
-        default=list(STRATEGIES),
-        help=f"comma-separated, from: {', '.join(STRATEGIES)} (default: all)",
+        default=list(DEFAULT_STRATEGIES),
+        help=f"comma-separated, from: {', '.join(STRATEGIES)} (default: all but the probes: "
+        f"{','.join(DEFAULT_STRATEGIES)}); {REFERENCE} is added to paired runs if missing",
     )
-    p.add_argument("--steps", type=int, help="timed steps per run (default 10; 3 with --quick)")
-    p.add_argument("--warmup", type=int, help="untimed warm-up steps (default 3; 1 with --quick)")
+    p.add_argument(
+        "--rounds", type=int, help="paired: timed rounds, one step per strategy (15; 3 --quick)"
+    )
+    p.add_argument("--steps", type=int, help="memory: timed steps per process (10; 3 --quick)")
+    p.add_argument("--warmup", type=int, help="untimed warm-up rounds or steps (3; 1 --quick)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     p.add_argument("--quick", action="store_true", help="fewer steps, smaller transfer test")
     p.add_argument(
         "--mode",
-        choices=("all", "train", "transfer"),
+        choices=("all", "paired", "memory", "transfer"),
         default="all",
-        help="train: workloads x strategies; transfer: link micro-benchmark; all: both (default)",
+        help="paired: step-time ratios, strategies alternating in one process per workload; "
+        "memory: one process per workload x strategy; transfer: link micro-benchmark; "
+        "all: the three (default)",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="paired: also profile one step per strategy (kernel busy time, runtime calls)",
     )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per subprocess (900)")
@@ -83,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     for name in _OVERRIDES:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, help=argparse.SUPPRESS)
     # Worker side: one measurement, JSON on stdout.
-    p.add_argument("--worker", choices=("train", "transfer"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("paired", "train", "transfer"), help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--strategy", help=argparse.SUPPRESS)
     return p
@@ -92,10 +107,17 @@ def _parser() -> argparse.ArgumentParser:
 def _worker_main(args: argparse.Namespace) -> int:
     """Run one measurement in this process and print its JSON as the last stdout line."""
     device = resolve_device(args.device)
+    overrides = {k: getattr(args, k) for k in _OVERRIDES}
+    result: dict[str, Any]
     if args.worker == "transfer":
         result = run_transfer(device, quick=args.quick)
+    elif args.worker == "paired":
+        workload = get_workload(args.workload).with_overrides(**overrides)
+        rows = run_paired(
+            workload, args.strategies, device, args.rounds, args.warmup, trace=args.trace
+        )
+        result = {"mode": "paired", "rows": rows}
     else:
-        overrides = {k: getattr(args, k) for k in _OVERRIDES}
         workload = get_workload(args.workload).with_overrides(**overrides)
         result = run_train(
             workload, args.strategy, device, args.steps, args.warmup, timeline=not args.no_timeline
@@ -137,14 +159,33 @@ def run_worker_subprocess(worker_args: Sequence[str], timeout: float) -> dict[st
     return {"status": "error", "note": f"worker exit {proc.returncode}: {' / '.join(tail)}"[:500]}
 
 
-def _header(device: torch.device, steps: int, warmup: int) -> str:
-    """Describe the run above the markdown table."""
+def _header(device: torch.device, args: argparse.Namespace) -> str:
+    """Describe the run above the markdown tables (only the parts of it that ran)."""
     env = environment(device)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (
+    parts = [
         f"matepoint benchmark, {when}: {env['device_name']} ({env['device']}), torch "
-        f"{env['torch']}, Python {env['python']}; {steps} timed steps after {warmup} warm-up, "
-        "median. Step = forward + backward. GB = 1e9 bytes."
+        f"{env['torch']}, Python {env['python']}, matepoint {env['matepoint']}. Step = forward "
+        "+ backward."
+    ]
+    if args.mode in ("all", "paired"):
+        parts.append(
+            f"Paired: {args.rounds} rounds after {args.warmup} warm-up, strategies alternating "
+            f"in one process per workload, median of per-round ratios to {REFERENCE} "
+            "[interquartile range]."
+        )
+    if args.mode in ("all", "memory"):
+        parts.append(
+            f"Memory: one process per strategy, {args.steps} steps after {args.warmup} warm-up."
+        )
+    return " ".join([*parts, "GB = 1e9 bytes."])
+
+
+def _save(out: Path, header: str, argv: Sequence[str], results: dict[str, Any]) -> Path:
+    """Write what has been measured so far (a run cut short still leaves its JSON)."""
+    out.mkdir(parents=True, exist_ok=True)
+    return report.write_json(
+        out / "results.json", {"header": header, "argv": list(argv), **results}
     )
 
 
@@ -159,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ``1`` if a run errored, ``2`` for bad arguments.
     """
     args = _parser().parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 15
     if args.steps is None:
         args.steps = 3 if args.quick else 10
     if args.warmup is None:
@@ -176,22 +219,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         console.print(f"[red]unknown workload/strategy: {', '.join(unknown)}[/]")
         return 2
-    common = ["--device", str(device), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    common = ["--device", str(device), "--warmup", str(args.warmup)]
     common += ["--quick"] * args.quick + ["--no-timeline"] * args.no_timeline
     for name in _OVERRIDES:
         if getattr(args, name) is not None:
             common += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    paired_strategies = list(dict.fromkeys([REFERENCE, *args.strategies]))
 
-    jobs: list[tuple[str, list[str]]] = []
-    if args.mode in ("all", "train"):
+    jobs: list[tuple[str, str, list[str]]] = []
+    if args.mode in ("all", "paired"):
+        for w in workloads:
+            job = ["--worker", "paired", "--workload", w, "--rounds", str(args.rounds)]
+            job += ["--strategies", ",".join(paired_strategies)] + ["--trace"] * args.trace
+            jobs.append((f"{w} / paired", "paired", job))
+    if args.mode in ("all", "memory"):
         for w in workloads:
             for s in args.strategies:
-                jobs.append((f"{w} / {s}", ["--worker", "train", "--workload", w, "--strategy", s]))
+                job = ["--worker", "train", "--workload", w, "--strategy", s]
+                jobs.append((f"{w} / {s}", "memory", [*job, "--steps", str(args.steps)]))
     if args.mode in ("all", "transfer"):
-        jobs.append(("transfer micro-benchmark", ["--worker", "transfer"]))
+        jobs.append(("transfer micro-benchmark", "transfer", ["--worker", "transfer"]))
 
-    rows: list[dict[str, Any]] = []
-    transfer: dict[str, Any] | None = None
+    header = _header(device, args)
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    results: dict[str, Any] = {"paired": [], "memory": [], "transfer": None}
     progress_columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -200,55 +251,74 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     with Progress(*progress_columns, console=console) as progress:
         task = progress.add_task("benchmark", total=len(jobs))
-        for label, job in jobs:
+        for label, kind, job in jobs:
             progress.update(task, description=label)
-            reason = None if job[1] == "transfer" else STRATEGIES[job[5]].unavailable_reason(device)
-            if reason is not None:  # no need to start a process to learn that
-                result = {"mode": "train", "status": "skipped", "note": reason}
-                result["kind"] = get_workload(job[3]).kind
-            else:
-                result = run_worker_subprocess([*job, *common], args.timeout)
-            if job[1] == "transfer":
-                transfer = result
-            else:
-                result.setdefault("workload", job[3])
-                result.setdefault("strategy", job[5])
-                rows.append(result)
-            if result.get("status") not in ("ok", "skipped"):
-                progress.console.print(
-                    f"[yellow]{label}: {result.get('status')}: {result.get('note')}"
-                )
+            for line in _run_job(kind, job, common, device, args.timeout, results):
+                progress.console.print(f"[yellow]{line}")
+            _save(args.out, header, argv_list, results)
             progress.advance(task)
 
-    report.add_ratios(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    header = _header(device, args.steps, args.warmup)
+    paired, memory, transfer = results["paired"], results["memory"], results["transfer"]
+    report.add_host_baselines(memory)
     files = [
-        report.write_json(
-            args.out / "results.json",
-            {
-                "header": header,
-                "argv": list(argv or sys.argv[1:]),
-                "train": rows,
-                "transfer": transfer,
-            },
-        ),
-        report.write_markdown(args.out / "results.md", rows, transfer, header),
+        _save(args.out, header, argv_list, results),
+        report.write_markdown(args.out / "results.md", paired, memory, transfer, header),
     ]
-    if not args.no_plots and rows:
-        files.append(report.plot_step_time_ratio(args.out / "step_time_ratio.png", rows))
-        files.append(report.plot_memory_vs_depth(args.out / "memory_vs_depth.png", rows))
-        files += report.plot_timelines(args.out, rows)
-    if rows:
-        console.print(report.rich_table(rows))
-        for line in report.notes(rows):
-            console.print(f"[dim]{line}[/]", highlight=False)
+    if not args.no_plots and (paired or memory):
+        files.append(report.plot_step_time_ratio(args.out / "step_time_ratio.png", paired))
+        files.append(report.plot_memory_vs_depth(args.out / "memory_vs_depth.png", memory))
+        files += report.plot_timelines(args.out, memory)
+    if paired:
+        console.print(report.rich_paired_table(paired))
+    if memory:
+        console.print(report.rich_memory_table(memory))
+    for line in report.notes([*paired, *memory]):
+        console.print(f"[dim]{line}[/]", highlight=False)
     if transfer is not None:
         console.print("[bold]Transfer-bound micro-benchmark[/]")
         console.print(report.transfer_markdown(transfer), markup=False)
     console.print("wrote " + ", ".join(str(f) for f in files))
-    failed = [r for r in [*rows, *([transfer] if transfer else [])] if r.get("status") == "error"]
-    return 1 if failed else 0
+    everything = [*paired, *memory, *([transfer] if transfer else [])]
+    return 1 if any(r.get("status") == "error" for r in everything) else 0
+
+
+def _run_job(
+    kind: str,
+    job: list[str],
+    common: list[str],
+    device: torch.device,
+    timeout: float,
+    results: dict[str, Any],
+) -> list[str]:
+    """Run one worker job and file its result in ``results``.
+
+    Returns:
+        Lines worth printing (rows that did not run, and why).
+    """
+    if kind == "memory":
+        workload, strategy = job[3], job[5]
+        reason = STRATEGIES[strategy].unavailable_reason(device)
+        if reason is not None:  # no need to start a process to learn that
+            row: dict[str, Any] = {"mode": "train", "status": "skipped", "note": reason}
+            row["kind"] = get_workload(workload).kind
+        else:
+            row = run_worker_subprocess([*job, *common], timeout)
+        row.setdefault("workload", workload)
+        row.setdefault("strategy", strategy)
+        results["memory"].append(row)
+        rows = [row]
+    elif kind == "paired":
+        result = run_worker_subprocess([*job, *common], timeout)
+        rows = result.get("rows") or [{**result, "workload": job[3], "strategy": "(all)"}]
+        results["paired"].extend(rows)
+    else:
+        results["transfer"] = result = run_worker_subprocess([*job, *common], timeout)
+        rows = [{**result, "workload": "transfer", "strategy": "-"}]
+    return [
+        f"{r.get('workload')} / {r.get('strategy')}: {r.get('status')}: {r.get('note')}"
+        for r in rows
+        if r.get("status") not in ("ok", "skipped")
+    ]
 
 
 if __name__ == "__main__":

@@ -2,13 +2,20 @@
 
 A :class:`Strategy` is everything that differs between the compared runs: the ``checkpoint_fn``
 each block goes through, a context entered around each forward (peers that offload through
-saved-tensor hooks), and a session entered once around a whole run (matepoint on a CPU, where a
-test transport makes CPU tensors count as device tensors so the offload path really runs).
+saved-tensor hooks, the copies-only floor's per-step numbering), and a session entered once
+around a whole run (matepoint on a CPU, where a test transport makes CPU tensors count as device
+tensors so the offload path really runs). Because a strategy is only these three things, one
+model can run under several strategies in turn, which is how ``matepoint-bench`` pairs them.
+
+Besides the peers, the registry holds probes (``probe=True``, run only when named): the
+copies-only floor and its variants (see :mod:`matepoint_examples._floor`), a forward with the
+link kept busy, and matepoint with one feature switched off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -20,9 +27,10 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 import matepoint
+from matepoint_examples._floor import CopyFloor, LinkBusy
 from matepoint_examples.models import CheckpointFn, no_checkpoint
 
-__all__ = ["STRATEGIES", "Strategy", "get_strategy", "strategy_names"]
+__all__ = ["DEFAULT_STRATEGIES", "STRATEGIES", "Strategy", "get_strategy", "strategy_names"]
 
 
 def _torch_checkpoint(function: Callable[..., Tensor], /, *args: Tensor) -> Any:
@@ -38,6 +46,46 @@ def _matepoint_checkpoint(function: Callable[..., Tensor], /, *args: Tensor) -> 
 def _matepoint_checkpoint_nopipeline(function: Callable[..., Tensor], /, *args: Tensor) -> Any:
     """Run ``function`` under ``matepoint.checkpoint`` with synchronous copies."""
     return matepoint.checkpoint(function, *args, use_reentrant=False, pipeline=False)
+
+
+class _DerivedOptions:
+    """matepoint's current default options with some fields changed, rebuilt only when they change.
+
+    A probe that switches one matepoint feature off passes these per call; deriving them once per
+    change of the defaults keeps the probe's host cost per call equal to matepoint's.
+    """
+
+    def __init__(self, **changes: Any) -> None:
+        self._changes = changes
+        self._base: matepoint.OffloadOptions | None = None
+        self._derived: matepoint.OffloadOptions | None = None
+
+    def get(self) -> matepoint.OffloadOptions:
+        """Return the defaults with the changes applied."""
+        base = matepoint.get_options()
+        if base is not self._base or self._derived is None:
+            self._derived = dataclasses.replace(base, **self._changes)
+            self._base = base
+        return self._derived
+
+
+_NO_WAIT_TIMING = _DerivedOptions(measure_waits=False)
+
+
+def _matepoint_checkpoint_no_wait_timing(function: Callable[..., Tensor], /, *args: Tensor) -> Any:
+    """Run ``function`` under ``matepoint.checkpoint`` without timing events around its waits."""
+    return matepoint.checkpoint(function, *args, use_reentrant=False, offload=_NO_WAIT_TIMING.get())
+
+
+def _matepoint_stats() -> dict[str, Any]:
+    """Return ``matepoint.stats()`` as a plain dict (JSON-ready)."""
+    return dataclasses.asdict(matepoint.stats())
+
+
+_FLOOR = CopyFloor()
+_FLOOR_OUT = CopyFloor(copy_in=False)
+_FLOOR_REFETCH = CopyFloor(refetch=True)
+_LINK_BUSY = LinkBusy()
 
 
 def _nothing() -> AbstractContextManager[object]:
@@ -94,6 +142,9 @@ class Strategy:
         uses_matepoint: Whether matepoint's statistics mean anything for this strategy.
         requires: Modules that must be importable, e.g. ``("torchtune",)``.
         needs_cuda: Whether the strategy only runs on a CUDA device.
+        stats: Returns the strategy's own counters of what it moved (JSON-ready), if it has any.
+        reset_stats: Sets those counters back to zero.
+        probe: A diagnostic variant, not a way anyone would train: run only when named.
     """
 
     name: str
@@ -104,6 +155,9 @@ class Strategy:
     uses_matepoint: bool = False
     requires: tuple[str, ...] = field(default=())
     needs_cuda: bool = False
+    stats: Callable[[], dict[str, Any]] | None = None
+    reset_stats: Callable[[], None] | None = None
+    probe: bool = False
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Say why the strategy cannot run on ``device``, or ``None`` if it can.
@@ -147,6 +201,8 @@ STRATEGIES: dict[str, Strategy] = {
             _matepoint_checkpoint,
             session=_matepoint_session,
             uses_matepoint=True,
+            stats=_matepoint_stats,
+            reset_stats=matepoint.reset_stats,
         ),
         Strategy(
             "matepoint-nopipeline",
@@ -154,10 +210,62 @@ STRATEGIES: dict[str, Strategy] = {
             _matepoint_checkpoint_nopipeline,
             session=_matepoint_session,
             uses_matepoint=True,
+            stats=_matepoint_stats,
+            reset_stats=matepoint.reset_stats,
+        ),
+        Strategy(
+            "copies-floor",
+            "torch.utils.checkpoint plus the same copies on a side stream, no bookkeeping",
+            _FLOOR.checkpoint,
+            forward_context=_FLOOR.step,
+            session=_FLOOR.session,
+            stats=_FLOOR.stats,
+            reset_stats=_FLOOR.reset_stats,
+        ),
+        Strategy(
+            "copies-floor-out",
+            "copies-floor with the forward's copies only (nothing copied back)",
+            _FLOOR_OUT.checkpoint,
+            forward_context=_FLOOR_OUT.step,
+            session=_FLOOR_OUT.session,
+            stats=_FLOOR_OUT.stats,
+            reset_stats=_FLOOR_OUT.reset_stats,
+            probe=True,
+        ),
+        Strategy(
+            "copies-floor-refetch",
+            "copies-floor copying a shared input back at every unpack, not once per step",
+            _FLOOR_REFETCH.checkpoint,
+            forward_context=_FLOOR_REFETCH.step,
+            session=_FLOOR_REFETCH.session,
+            stats=_FLOOR_REFETCH.stats,
+            reset_stats=_FLOOR_REFETCH.reset_stats,
+            probe=True,
+        ),
+        Strategy(
+            "link-busy",
+            "torch.utils.checkpoint with the link saturated by unrelated copies during forward",
+            _torch_checkpoint,
+            forward_context=_LINK_BUSY.forward,
+            needs_cuda=True,
+            probe=True,
+        ),
+        Strategy(
+            "matepoint-nowaittiming",
+            "matepoint.checkpoint with measure_waits=False (no timing events)",
+            _matepoint_checkpoint_no_wait_timing,
+            session=_matepoint_session,
+            uses_matepoint=True,
+            stats=_matepoint_stats,
+            reset_stats=matepoint.reset_stats,
+            probe=True,
         ),
     )
 }
 """Every strategy by name, in the order tables show them."""
+
+DEFAULT_STRATEGIES = tuple(name for name, s in STRATEGIES.items() if not s.probe)
+"""What ``matepoint-bench`` runs unless told otherwise: every strategy but the probes."""
 
 
 def strategy_names() -> list[str]:

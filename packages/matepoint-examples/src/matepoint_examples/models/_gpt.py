@@ -32,6 +32,10 @@ class GPTConfig:
         mlp_ratio: MLP hidden size as a multiple of ``width``. Default: ``4``.
         softcap: Logit soft-cap, ``softcap * tanh(logits / softcap)``. Default: ``15.0``.
         rope_base: Rotary base frequency. Default: ``10000.0``.
+        x0_mixing: nanochat's residual mixing: before block ``i`` the stream becomes
+            ``resid_lambdas[i] * x + x0_lambdas[i] * x0``, ``x0`` being the normed embedding and
+            both scalars learnable per layer. The mixing runs inside the block's checkpoint, so
+            ``x0`` is an input of every checkpoint, as in nanochat. Default: ``False``.
     """
 
     depth: int = 12
@@ -42,6 +46,7 @@ class GPTConfig:
     mlp_ratio: int = 4
     softcap: float = 15.0
     rope_base: float = 10000.0
+    x0_mixing: bool = False
 
     def __post_init__(self) -> None:
         """Reject shapes the model cannot run.
@@ -59,7 +64,7 @@ class GPTConfig:
             )
 
     @classmethod
-    def from_depth(cls, depth: int, **overrides: int | float) -> GPTConfig:
+    def from_depth(cls, depth: int, **overrides: int | float | bool) -> GPTConfig:
         """Build the nanochat configuration for ``depth``: width ``64 * depth``, head dim 128.
 
         Args:
@@ -69,7 +74,7 @@ class GPTConfig:
         Returns:
             The configuration.
         """
-        fields: dict[str, int | float] = {"depth": depth, "width": 64 * depth}
+        fields: dict[str, int | float | bool] = {"depth": depth, "width": 64 * depth}
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]
 
@@ -144,7 +149,9 @@ class NanoGPT(nn.Module):
 
     Rotary embeddings, QK-norm, relu² MLP, untied input/output embeddings, no biases and a
     logit soft-cap, like nanochat. The rotary tables are handed to each block by closure rather
-    than as checkpoint arguments, so the residual stream is the only tensor a checkpoint saves.
+    than as checkpoint arguments, so the residual stream is the only tensor a checkpoint saves;
+    with ``config.x0_mixing`` the normed embedding ``x0`` is a second argument of every
+    checkpoint, one tensor shared by all of them (what an offloader should move once per step).
 
     Args:
         config: Shape of the model. Default: ``GPTConfig()`` (nanochat depth 12).
@@ -171,6 +178,13 @@ class NanoGPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.width)
         self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.depth))
         self.lm_head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+        self.resid_lambdas: nn.Parameter | None = None
+        self.x0_lambdas: nn.Parameter | None = None
+        if cfg.x0_mixing:
+            # nanochat starts these at 1 and 0; x0's weight starts small but not zero so that its
+            # gradient, and the recompute's use of x0, are informative from the first step.
+            self.resid_lambdas = nn.Parameter(torch.ones(cfg.depth))
+            self.x0_lambdas = nn.Parameter(torch.full((cfg.depth,), 0.1))
         inv_freq = cfg.rope_base ** (
             -torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
         )
@@ -200,14 +214,28 @@ class NanoGPT(nn.Module):
         t = idx.size(1)
         cos, sin = self.cos[:, :t], self.sin[:, :t]
         x = _rms_norm(self.wte(idx))
-        for block in self.blocks:
-            x = self.checkpoint_fn(functools.partial(block, cos=cos, sin=sin), x)
+        if self.config.x0_mixing:
+            x0 = x
+            for i in range(len(self.blocks)):
+                mixed = functools.partial(self._mixed_block, i, cos=cos, sin=sin)
+                x = self.checkpoint_fn(mixed, x, x0)
+        else:
+            for block in self.blocks:
+                x = self.checkpoint_fn(functools.partial(block, cos=cos, sin=sin), x)
         logits = self.lm_head(_rms_norm(x))
         cap = self.config.softcap
         logits = cap * torch.tanh(logits.float() / cap)
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+    def _mixed_block(self, i: int, x: Tensor, x0: Tensor, *, cos: Tensor, sin: Tensor) -> Tensor:
+        """Mix ``x0`` back into the stream with layer ``i``'s scalars, then run block ``i``."""
+        assert self.resid_lambdas is not None
+        assert self.x0_lambdas is not None
+        block: GPTBlock = self.blocks[i]  # type: ignore[assignment]
+        out: Tensor = block(self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0, cos=cos, sin=sin)
+        return out
 
     def example_batch(
         self, batch: int, device: torch.device | str = "cpu", seq_len: int | None = None

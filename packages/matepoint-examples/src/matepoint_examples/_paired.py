@@ -1,0 +1,468 @@
+"""Paired step times: every strategy on one model and optimizer, alternating step by step.
+
+Separate processes per strategy differ by several percent from run to run on a shared host
+(clocks, memory placement, other tenants), so the ratio of two processes' medians is not
+evidence at the 1% level. Here one process builds one model and one optimizer; each round runs
+one step of every strategy, the order rotated by one every round so that no strategy always
+follows the same one. A strategy's step divided by the reference's step *of the same round*
+cancels whatever drifts slower than a round; the median of those per-round ratios, with its
+interquartile range, is what the reports show.
+
+A step here is forward plus backward (timed), then an untimed optimizer step, so the model
+trains as it would and every strategy works on the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from matepoint_examples._bench_worker import environment
+from matepoint_examples._runtime import synchronize
+from matepoint_examples._workloads import Built, Workload, build
+from matepoint_examples.strategies import Strategy, get_strategy
+
+__all__ = [
+    "METRICS",
+    "REFERENCE",
+    "StrategySwitch",
+    "per_round_ratios",
+    "quartiles",
+    "round_order",
+    "run_paired",
+    "summarize_trace",
+]
+
+REFERENCE = "torch"
+"""The strategy every ratio is taken against: ``torch.utils.checkpoint``."""
+
+METRICS = ("step_s", "forward_host_s", "forward_gpu_s", "backward_gpu_s")
+"""What each timed step records (GPU spans only on CUDA; see :func:`run_paired`)."""
+
+_FORWARD_MARK = "matepoint-bench forward"
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
+    """Return the first quartile, the median and the third quartile of ``values``.
+
+    Quartiles are interpolated between data points (``statistics.quantiles`` with the
+    inclusive method), so a handful of rounds gives a range inside the observed values.
+
+    Args:
+        values: At least one number.
+
+    Returns:
+        ``(q1, median, q3)``.
+
+    Raises:
+        ValueError: If ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("quartiles() needs at least one value")
+    if len(values) == 1:
+        return (values[0], values[0], values[0])
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q1, median, q3)
+
+
+def per_round_ratios(
+    times: Mapping[str, Sequence[float | None]], reference: str = REFERENCE
+) -> dict[str, list[float]]:
+    """Divide each strategy's time by the reference's time of the same round.
+
+    Args:
+        times: Per strategy, one time per round (``None`` where that round's step did not run).
+        reference: The strategy to divide by.
+
+    Returns:
+        Per strategy, the ratios of the rounds where both it and the reference ran (empty if
+        the reference never ran).
+    """
+    ref = times.get(reference, [])
+    ratios: dict[str, list[float]] = {}
+    for name, values in times.items():
+        ratios[name] = [
+            value / base
+            for value, base in zip(values, ref, strict=False)
+            if value is not None and base is not None and base > 0
+        ]
+    return ratios
+
+
+def round_order(names: Sequence[str], round_index: int) -> list[str]:
+    """Return the strategies in the order round ``round_index`` runs them (rotated by one each).
+
+    Args:
+        names: The strategies, in their listed order.
+        round_index: Zero-based round number.
+
+    Returns:
+        The names, starting at ``round_index % len(names)``.
+    """
+    if not names:
+        return []
+    k = round_index % len(names)
+    return [*names[k:], *names[:k]]
+
+
+class StrategySwitch:
+    """A ``checkpoint_fn`` that runs each block through the current strategy's.
+
+    The model is built once with this as its checkpoint function; setting :attr:`current`
+    changes how its blocks are checkpointed from the next forward on.
+
+    Args:
+        current: The strategy to start with.
+    """
+
+    def __init__(self, current: Strategy) -> None:
+        self.current = current
+
+    def __call__(self, function: Callable[..., Tensor], /, *args: Tensor) -> Any:
+        """Run ``function(*args)`` through the current strategy's ``checkpoint_fn``."""
+        return self.current.checkpoint_fn(function, *args)
+
+
+class _Clock:
+    """Host timers and, on CUDA, three reusable events around forward and backward."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.events: list[Any] = []
+        if device.type == "cuda":
+            self.events = [
+                torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                for _ in range(3)
+            ]
+
+    def mark(self, index: int) -> float:
+        """Record event ``index`` on the current stream (CUDA) and return the host time."""
+        if self.events:
+            self.events[index].record()
+        return time.perf_counter()
+
+    def spans(self) -> tuple[float | None, float | None]:
+        """Return the forward's and the backward's span on the compute stream, in seconds."""
+        if not self.events:
+            return (None, None)
+        start, forward_done, end = self.events
+        return (start.elapsed_time(forward_done) / 1e3, forward_done.elapsed_time(end) / 1e3)
+
+
+def _timed_step(
+    built: Built, strategy: Strategy, optimizer: torch.optim.Optimizer, clock: _Clock
+) -> dict[str, float | None]:
+    """Run one timed forward and backward under ``strategy``, then an untimed optimizer step."""
+    device = clock.device
+    synchronize(device)
+    t0 = clock.mark(0)
+    with strategy.forward_context():
+        loss = built.loss()
+    t1 = clock.mark(1)
+    torch.autograd.backward(loss)
+    clock.mark(2)
+    synchronize(device)
+    t3 = time.perf_counter()
+    del loss
+    forward_gpu, backward_gpu = clock.spans()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {
+        "step_s": t3 - t0,
+        "forward_host_s": t1 - t0,
+        "forward_gpu_s": forward_gpu,
+        "backward_gpu_s": backward_gpu,
+    }
+
+
+def _release(device: torch.device) -> None:
+    """Give back what a failed step left (its graph is gone once the exception is)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_paired(
+    workload: Workload,
+    strategy_names: Sequence[str],
+    device: torch.device,
+    rounds: int,
+    warmup: int,
+    trace: bool = False,
+) -> list[dict[str, Any]]:
+    """Measure every strategy on one model, alternating step by step, and summarize.
+
+    Each strategy's own session is entered once for the whole run. A strategy that runs out
+    of memory or fails leaves the rotation (its row says why); the others go on. After the
+    rounds, each strategy runs one more step with its counters reset (what it moved per step)
+    and, with ``trace``, one step under ``torch.profiler`` with a synchronize between forward
+    and backward (kernel busy time and runtime calls per phase).
+
+    Args:
+        workload: The model shape.
+        strategy_names: Registered strategies; ``"torch"`` should be among them (the reference).
+        device: Where to run.
+        rounds: Timed rounds.
+        warmup: Untimed rounds before them (these also fill pinned pools and caches).
+        trace: Add the profiled step. Default: ``False``.
+
+    Returns:
+        One JSON-ready row per strategy: ``status``, per-round ``times``, the median
+        ``step_time_s``, the per-round ``ratio`` to torch's checkpoint with ``ratio_q1`` and
+        ``ratio_q3``, the same for every metric under ``ratios``, and ``stats``/``trace``.
+    """
+    common = {
+        "mode": "paired",
+        "workload": workload.name,
+        "kind": workload.kind,
+        "depth": workload.depth,
+        "width": workload.width,
+        "batch": workload.batch,
+        "tokens": workload.tokens,
+        "dtype": workload.dtype,
+        "rounds": rounds,
+        "warmup": warmup,
+        "reference": REFERENCE,
+        **environment(device),
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    active: list[Strategy] = []
+    for name in strategy_names:
+        strategy = get_strategy(name)
+        row: dict[str, Any] = {**common, "strategy": name, "status": "ok"}
+        reason = strategy.unavailable_reason(device)
+        if reason is not None:
+            row.update(status="skipped", note=reason)
+        else:
+            active.append(strategy)
+        rows[name] = row
+    if not active:
+        return list(rows.values())
+
+    names = [s.name for s in active]
+    times: dict[str, list[dict[str, float | None] | None]] = {n: [] for n in names}
+    try:
+        with contextlib.ExitStack() as stack:
+            sessions: list[Callable[[torch.device], Any]] = []
+            for strategy in active:
+                if strategy.session not in sessions:
+                    sessions.append(strategy.session)
+                    stack.enter_context(strategy.session(device))
+            switch = StrategySwitch(active[0])
+            built = build(workload, switch, device)
+            optimizer = torch.optim.AdamW(
+                built.model.parameters(), lr=1e-4, fused=device.type == "cuda"
+            )
+            clock = _Clock(device)
+            _rounds(built, switch, optimizer, clock, active, rows, times, rounds, warmup)
+            live = [s for s in active if rows[s.name]["status"] == "ok"]
+            for strategy in live:
+                _counted_step(built, switch, optimizer, clock, strategy, rows[strategy.name])
+            if trace:
+                for strategy in live:
+                    switch.current = strategy
+                    rows[strategy.name]["trace"] = trace_step(built, strategy, device)
+                    optimizer.zero_grad(set_to_none=True)
+    except Exception as exc:  # the model or a session failed: every row says so
+        note = f"{type(exc).__name__}: {exc}"[:500]
+        for row in rows.values():
+            if row["status"] == "ok":
+                row.update(status="error", note=note, traceback=traceback.format_exc()[-4000:])
+    _summarize(rows, times)
+    return list(rows.values())
+
+
+def _rounds(
+    built: Built,
+    switch: StrategySwitch,
+    optimizer: torch.optim.Optimizer,
+    clock: _Clock,
+    active: Sequence[Strategy],
+    rows: dict[str, dict[str, Any]],
+    times: dict[str, list[dict[str, float | None] | None]],
+    rounds: int,
+    warmup: int,
+) -> None:
+    """Run the warm-up and timed rounds of :func:`run_paired`, filling ``times``."""
+    by_name = {s.name: s for s in active}
+    for index in range(warmup + rounds):
+        timed = index >= warmup
+        measured: dict[str, dict[str, float | None] | None] = {}
+        for name in round_order(list(by_name), index):
+            if rows[name]["status"] != "ok":
+                continue
+            switch.current = by_name[name]
+            failure: tuple[str, str] | None = None
+            try:
+                measured[name] = _timed_step(built, by_name[name], optimizer, clock)
+            except torch.cuda.OutOfMemoryError as exc:
+                failure = ("oom", str(exc).splitlines()[0][:300])
+            except Exception as exc:
+                failure = ("error", f"{type(exc).__name__}: {exc}"[:500])
+                rows[name]["traceback"] = traceback.format_exc()[-4000:]
+            if failure is not None:
+                rows[name].update(status=failure[0], note=failure[1])
+                optimizer.zero_grad(set_to_none=True)
+                _release(clock.device)
+        if timed:
+            for name in by_name:
+                times[name].append(measured.get(name))
+
+
+def _counted_step(
+    built: Built,
+    switch: StrategySwitch,
+    optimizer: torch.optim.Optimizer,
+    clock: _Clock,
+    strategy: Strategy,
+    row: dict[str, Any],
+) -> None:
+    """Run one step with the strategy's counters reset; store what it moved in ``row``."""
+    if strategy.stats is None or strategy.reset_stats is None:
+        return
+    switch.current = strategy
+    strategy.reset_stats()
+    _timed_step(built, strategy, optimizer, clock)
+    row["stats"] = strategy.stats()
+
+
+def _summarize(
+    rows: dict[str, dict[str, Any]], times: Mapping[str, Sequence[dict[str, float | None] | None]]
+) -> None:
+    """Add medians and per-round ratios (median and quartiles) to every row."""
+    for name, steps in times.items():
+        rows[name]["times"] = [dict(t) if t is not None else None for t in steps]
+    for metric in METRICS:
+        series = {
+            name: [None if t is None else t.get(metric) for t in steps]
+            for name, steps in times.items()
+        }
+        ratios = per_round_ratios(series, REFERENCE)
+        for name, values in series.items():
+            row = rows[name]
+            present = [v for v in values if v is not None]
+            if present:
+                row.setdefault("medians_s", {})[metric] = statistics.median(present)
+            if ratios.get(name):
+                q1, median, q3 = quartiles(ratios[name])
+                row.setdefault("ratios", {})[metric] = {
+                    "median": median,
+                    "q1": q1,
+                    "q3": q3,
+                    "rounds": len(ratios[name]),
+                }
+    for row in rows.values():
+        step = row.get("ratios", {}).get("step_s")
+        row["step_time_s"] = row.get("medians_s", {}).get("step_s")
+        row["ratio"] = step["median"] if step else None
+        row["ratio_q1"] = step["q1"] if step else None
+        row["ratio_q3"] = step["q3"] if step else None
+
+
+def trace_step(built: Built, strategy: Strategy, device: torch.device) -> dict[str, Any]:
+    """Run one step under ``torch.profiler`` and summarize its forward and backward.
+
+    A synchronize ends the forward inside its profiler range, so the range's end splits the
+    device activity cleanly into the two phases (the step is otherwise a normal one).
+
+    Args:
+        built: The workload's model and loss.
+        strategy: The strategy to run (already current in the model's switch).
+        device: Where it runs.
+
+    Returns:
+        :func:`summarize_trace` of the step.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    built.model.zero_grad(set_to_none=True)
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        with record_function(_FORWARD_MARK):
+            with strategy.forward_context():
+                loss = built.loss()
+            synchronize(device)
+        torch.autograd.backward(loss)
+        synchronize(device)
+    del loss
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        data = json.loads(path.read_text())
+    return summarize_trace(data)
+
+
+def _phase_name(ts: float, boundary: float | None) -> str:
+    return "forward" if boundary is not None and ts < boundary else "backward"
+
+
+def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Reduce a Chrome trace of one step to per-phase device and runtime figures.
+
+    The compute stream is the stream with the most kernel time. Per phase (forward until the
+    end of the ``matepoint-bench forward`` range, backward after it): the compute stream's
+    busy time (sum of its kernels) and span (first kernel start to last kernel end), copies by
+    kind (count, device milliseconds, bytes), and CUDA runtime calls by name (count, host
+    milliseconds): event records and waits, copies, synchronizations.
+
+    Args:
+        data: The parsed trace (``export_chrome_trace``'s JSON).
+
+    Returns:
+        ``{"compute_stream": ..., "forward": {...}, "backward": {...}}``; device figures are
+        absent when the trace holds no device activity (a CPU run).
+    """
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    boundary: float | None = None
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("name") == _FORWARD_MARK:
+            boundary = float(e["ts"]) + float(e["dur"])
+    kernel_time: dict[Any, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            stream = e.get("args", {}).get("stream", e.get("tid"))
+            kernel_time[stream] = kernel_time.get(stream, 0.0) + float(e["dur"])
+    compute = max(kernel_time, key=lambda k: kernel_time[k]) if kernel_time else None
+    phases: dict[str, dict[str, Any]] = {}
+    for name in ("forward", "backward"):
+        phases[name] = {"copies": {}, "runtime": {}}
+        if compute is not None:
+            phases[name].update(compute_busy_ms=0.0, kernels=0, first=None, last=None)
+    for e in events:
+        cat = e.get("cat")
+        ts, dur = float(e["ts"]), float(e["dur"])
+        phase = phases[_phase_name(ts, boundary)]
+        if cat == "kernel" and e.get("args", {}).get("stream", e.get("tid")) == compute:
+            phase["compute_busy_ms"] += dur / 1e3
+            phase["kernels"] += 1
+            phase["first"] = ts if phase["first"] is None else min(phase["first"], ts)
+            phase["last"] = ts + dur if phase["last"] is None else max(phase["last"], ts + dur)
+        elif cat == "gpu_memcpy":
+            entry = phase["copies"].setdefault(e.get("name", "?"), [0, 0.0, 0])
+            entry[0] += 1
+            entry[1] += dur / 1e3
+            entry[2] += int(e.get("args", {}).get("bytes", 0) or 0)
+        elif cat in ("cuda_runtime", "cuda_driver"):
+            entry = phase["runtime"].setdefault(e.get("name", "?"), [0, 0.0])
+            entry[0] += 1
+            entry[1] += dur / 1e3
+    for phase in phases.values():
+        first, last = phase.pop("first", None), phase.pop("last", None)
+        if first is not None and last is not None:
+            phase["compute_span_ms"] = (last - first) / 1e3
+            phase["compute_idle_ms"] = phase["compute_span_ms"] - phase["compute_busy_ms"]
+    return {"compute_stream": compute, **phases}

@@ -1,0 +1,158 @@
+"""Tests for matepoint_examples._paired: ratios, quartiles, rotation and a tiny CPU run."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from matepoint_examples import _paired, strategies
+from matepoint_examples._paired import (
+    StrategySwitch,
+    per_round_ratios,
+    quartiles,
+    round_order,
+    run_paired,
+    summarize_trace,
+)
+from matepoint_examples._workloads import get_workload
+from matepoint_examples.strategies import get_strategy
+
+CPU = torch.device("cpu")
+TINY = get_workload("nanochat12").with_overrides(
+    depth=2, width=64, batch=2, tokens=16, vocab_size=64, head_dim=32
+)
+TINY = dataclasses.replace(TINY, dtype="fp32")
+
+
+def test_quartiles_interpolate_inside_the_data() -> None:
+    assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
+    assert quartiles([1.0, 2.0, 3.0, 4.0]) == (1.75, 2.5, 3.25)
+    assert quartiles([1.5]) == (1.5, 1.5, 1.5)
+    with pytest.raises(ValueError, match="at least one"):
+        quartiles([])
+
+
+def test_per_round_ratios_pair_rounds_and_skip_missing_steps() -> None:
+    times: dict[str, list[float | None]] = {
+        "torch": [1.0, 2.0, None, 4.0],
+        "matepoint": [1.1, 2.0, 3.0, None],
+    }
+    ratios = per_round_ratios(times, "torch")
+    assert ratios["torch"] == [1.0, 1.0, 1.0]
+    assert ratios["matepoint"] == pytest.approx([1.1, 1.0])
+    # A slow round for both strategies does not move the ratio: that is the point of pairing.
+    drifting = {"torch": [1.0, 3.0, 1.0], "other": [1.05, 3.15, 1.05]}
+    assert per_round_ratios(drifting)["other"] == pytest.approx([1.05] * 3)
+    assert per_round_ratios({"other": [1.0]}, "torch") == {"other": []}
+
+
+def test_round_order_rotates_every_strategy_through_every_position() -> None:
+    names = ["torch", "matepoint", "copies-floor"]
+    orders = [round_order(names, r) for r in range(3)]
+    assert orders[0] == names
+    assert orders[1] == ["matepoint", "copies-floor", "torch"]
+    for position in range(3):
+        assert sorted(order[position] for order in orders) == sorted(names)
+    assert round_order(names, 3) == names
+    assert round_order([], 5) == []
+
+
+def test_switch_runs_the_current_strategy() -> None:
+    calls: list[str] = []
+
+    def tagged(tag: str) -> Callable[..., Tensor]:
+        def fn(function: Callable[..., Tensor], /, *args: Tensor) -> Tensor:
+            calls.append(tag)
+            return function(*args)
+
+        return fn
+
+    a = dataclasses.replace(get_strategy("none"), name="a", checkpoint_fn=tagged("a"))
+    b = dataclasses.replace(get_strategy("none"), name="b", checkpoint_fn=tagged("b"))
+    switch = StrategySwitch(a)
+    x = torch.ones(2)
+    switch(torch.neg, x)
+    switch.current = b
+    assert torch.equal(switch(torch.neg, x), -x)
+    assert calls == ["a", "b"]
+
+
+def test_run_paired_on_cpu() -> None:
+    names = ["torch", "copies-floor", "matepoint", "link-busy", "none"]
+    rows = {r["strategy"]: r for r in run_paired(TINY, names, CPU, rounds=3, warmup=1)}
+    assert list(rows) == names
+    assert rows["link-busy"]["status"] == "skipped"
+    for name in ("torch", "copies-floor", "matepoint", "none"):
+        row = rows[name]
+        assert row["status"] == "ok", row
+        assert len(row["times"]) == 3
+        assert row["ratios"]["step_s"]["rounds"] == 3
+        assert row["ratio_q1"] <= row["ratio"] <= row["ratio_q3"]
+        assert row["step_time_s"] > 0
+        assert row["medians_s"]["forward_host_s"] > 0
+        assert "forward_gpu_s" not in row["medians_s"]  # no device timer on a CPU
+    assert rows["torch"]["ratio"] == 1.0
+    assert rows["copies-floor"]["stats"]["copies_out"] == TINY.depth
+    assert rows["matepoint"]["stats"]["bytes_offloaded"] > 0
+    assert "stats" not in rows["torch"]
+
+
+def test_run_paired_drops_a_failing_strategy_and_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(function: Callable[..., Tensor], /, *args: Tensor) -> Any:
+        raise RuntimeError("boom")
+
+    registry = dict(strategies.STRATEGIES)
+    registry["broken"] = dataclasses.replace(
+        get_strategy("torch"), name="broken", checkpoint_fn=broken
+    )
+    monkeypatch.setattr(strategies, "STRATEGIES", registry)
+    rows = {r["strategy"]: r for r in run_paired(TINY, ["torch", "broken"], CPU, 2, 0)}
+    assert rows["broken"]["status"] == "error"
+    assert "boom" in rows["broken"]["note"]
+    assert rows["broken"]["ratio"] is None
+    assert rows["torch"]["status"] == "ok"
+    assert len([t for t in rows["torch"]["times"] if t is not None]) == 2
+
+
+def test_run_paired_trace_on_cpu() -> None:
+    rows = run_paired(TINY, ["torch"], CPU, rounds=1, warmup=0, trace=True)
+    trace = rows[0]["trace"]
+    assert trace["compute_stream"] is None  # no device activity on a CPU
+    assert set(trace) == {"compute_stream", "forward", "backward"}
+
+
+def _event(cat: str, name: str, ts: float, dur: float, **args: Any) -> dict[str, Any]:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+
+def test_summarize_trace_splits_phases_and_finds_the_compute_stream() -> None:
+    events = [
+        _event("user_annotation", _paired._FORWARD_MARK, 0.0, 100.0),
+        _event("kernel", "gemm", 10.0, 30.0, stream=7),
+        _event("kernel", "gemm", 50.0, 20.0, stream=7),
+        _event("kernel", "small", 60.0, 5.0, stream=20),
+        _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 45.0, 10.0, stream=20, bytes=1000),
+        _event("cuda_runtime", "cudaEventRecord", 5.0, 2.0),
+        _event("cuda_runtime", "cudaEventRecord", 6.0, 2.0),
+        _event("kernel", "gemm_bwd", 120.0, 50.0, stream=7),
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 110.0, 8.0, stream=20, bytes=1000),
+        _event("cuda_runtime", "cudaStreamWaitEvent", 115.0, 1.0),
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 1.0},
+    ]
+    summary = summarize_trace({"traceEvents": events})
+    assert summary["compute_stream"] == 7
+    forward, backward = summary["forward"], summary["backward"]
+    assert forward["compute_busy_ms"] == pytest.approx(0.05)
+    assert forward["compute_span_ms"] == pytest.approx(0.06)
+    assert forward["compute_idle_ms"] == pytest.approx(0.01)
+    assert forward["kernels"] == 2
+    assert forward["copies"] == {"Memcpy DtoH (Device -> Pinned)": [1, 0.01, 1000]}
+    assert forward["runtime"] == {"cudaEventRecord": [2, pytest.approx(0.004)]}
+    assert backward["compute_busy_ms"] == pytest.approx(0.05)
+    assert backward["copies"]["Memcpy HtoD (Pinned -> Device)"][0] == 1
+    assert backward["runtime"]["cudaStreamWaitEvent"][0] == 1
