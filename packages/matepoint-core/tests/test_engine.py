@@ -380,6 +380,49 @@ def test_first_unpack_prefetches_exactly_the_preceding_records(
     assert transport.copies_in == depth - 1  # nothing fetched twice
 
 
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_shared_input_is_prefetched_where_backward_first_needs_it(
+    prefetch: int, fresh_stats: None
+) -> None:
+    """x0 mixed into every block (a GPT's embedding) is packed first but needed first in backward.
+
+    The look-ahead in pack order never reaches it; it is prefetched with the newest blocks
+    instead, so every unpack of it is served by that one prefetched copy, and nothing crosses the
+    link twice.
+    """
+    depth = 6
+    transport = CPUTestTransport(completion="deferred")
+    layers = [torch.nn.Linear(16, 16) for _ in range(depth)]
+
+    def block(layer: torch.nn.Module, h: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(layer(h + x0))
+
+    x = torch.randn(4, 16, requires_grad=True)
+    with (
+        use_transport(transport),
+        matepoint.options(
+            min_offload_bytes=0, stash_bytes=0, max_inflight_bytes=0, prefetch=prefetch
+        ),
+    ):
+        x0 = x * 1
+        h = x0 * 2
+        for layer in layers:
+            h = matepoint.checkpoint(block, layer, h, x0)
+        loss = h.sum()
+        del h, x0
+        loss.backward()
+    snapshot = matepoint.stats()
+    assert snapshot.offloads == depth + 1
+    assert snapshot.dedupe_hits == depth - 1
+    # Every record but the newest block input (still on the device) comes back exactly once.
+    assert snapshot.fetches == depth
+    assert transport.copies_in == depth
+    assert snapshot.shared_fetch_hits == depth - 1
+    # x0 itself came from a prefetch, not an on-demand copy; so did every older block input.
+    assert snapshot.prefetch_hits == depth
+    assert_nothing_leaked()
+
+
 def test_prefetch_skips_records_still_on_the_device(fast_transport: CPUTestTransport) -> None:
     # Inputs that something else keeps alive are served from the device: no copy back, and
     # the look-ahead does not fetch them either.

@@ -223,6 +223,7 @@ class ChannelEngine:
         self._records: dict[int, weakref.ref[Record]] = {}
         self._by_key: dict[tuple[Any, ...], weakref.ref[Record]] = {}
         self._held: deque[weakref.ref[Record]] = deque()
+        self._shared: list[weakref.ref[Record]] = []
         self._timings: deque[Any] = deque()
         self._in_flight: deque[tuple[Any, int]] = deque()
         self._in_flight_bytes = 0
@@ -246,6 +247,9 @@ class ChannelEngine:
             if shared is not None and shared.original() is not None and not shared.modified:
                 self.counters.dedupe_hits += 1
                 shared.packs += 1
+                shared.last_use = self._sequence
+                if shared.packs == 2:
+                    self._shared.append(weakref.ref(shared))
                 return shared
             nbytes = tensor.numel() * tensor.element_size()
             compute = self.channel.current_compute()
@@ -437,9 +441,42 @@ class ChannelEngine:
                 self._resolve_timings(block=True, limit=len(self._timings) - _TIMING_BACKLOG)
 
     def _prefetch_before(self, record: Record, options: OffloadOptions) -> None:
-        """Start copying back the records packed just before ``record`` (look-ahead)."""
+        """Start copying back what backward needs next: shared records first, then look-ahead."""
         index = bisect.bisect_left(self._order, record.sequence)
-        self._prefetch_scan(index - 1, record.unpacks, options)
+        if self._shared:
+            window_start = self._order[max(index - options.prefetch, 0)]
+            self._prefetch_shared(window_start, record, options)
+        if record.unpacks % record.packs:
+            # A shared record used by a later checkpoint: its pack position says nothing about
+            # what backward needs next. See Note [Shared records].
+            return
+        self._prefetch_scan(index - 1, record.unpacks // record.packs, options)
+
+    def _prefetch_shared(self, window_start: int, current: Record, options: OffloadOptions) -> None:
+        """Prefetch shared records whose first use in this backward pass is close.
+
+        See Note [Shared records]. A record several checkpoints share (the embedding every block
+        of a GPT mixes in) was packed long before the checkpoints that use it last, which are
+        the ones backward reaches first, so the pack-order look-ahead never reaches it in time.
+        Its latest use (``last_use``, the pack sequence of the newest checkpoint that saved it)
+        is where backward first needs it: prefetch it when that falls in the look-ahead window
+        that ends at ``current``, the record being unpacked. Later in the pass ``last_use`` lies
+        above the window, and ``current`` itself has just been served.
+        """
+        alive: list[weakref.ref[Record]] = []
+        for reference in self._shared:
+            candidate = reference()
+            if candidate is None:
+                continue
+            alive.append(reference)
+            if (
+                candidate is not current
+                and window_start <= candidate.last_use <= current.sequence
+                and candidate.pipelined
+                and candidate.fetched is None
+            ) and not self._start_prefetch(candidate, options):
+                break
+        self._shared = alive
 
     def prefetch_newest(self, options: OffloadOptions) -> None:
         """Start copying back the newest records not yet unpacked (what backward needs first)."""
@@ -463,28 +500,35 @@ class ChannelEngine:
             if candidate is None or candidate.unpacks >= unpacks_below or not candidate.pipelined:
                 continue
             started += 1
-            if (
-                candidate.prefetched is not None
-                or candidate.fetched is not None
-                or candidate.modified
-                or candidate.original() is not None
-            ):
-                continue
-            try:
-                tensor, event = self.channel.copy_in(
-                    candidate.host, options.side_stream_delay_cycles
-                )
-            except torch.cuda.OutOfMemoryError:
-                # A prefetch is only ahead of need: without room for it, the record is fetched
-                # on demand when its unpack comes (which raises if memory is still short).
-                self.counters.prefetches_skipped += 1
+            if candidate.fetched is None and not self._start_prefetch(candidate, options):
                 return
-            candidate.prefetched = tensor
-            candidate.prefetch_event = event
-            candidate.block.last_event = event
-            self.counters.prefetches += 1
-            self.counters.fetches += 1
-            self.counters.bytes_fetched += candidate.nbytes
+
+    def _start_prefetch(self, candidate: Record, options: OffloadOptions) -> bool:
+        """Copy ``candidate`` back ahead of need unless it is on the device already.
+
+        Returns False when device memory is short (stop prefetching; fetch on demand).
+        """
+        if (
+            candidate.prefetched is not None
+            or candidate.fetched is not None
+            or candidate.modified
+            or candidate.original() is not None
+        ):
+            return True
+        try:
+            tensor, event = self.channel.copy_in(candidate.host, options.side_stream_delay_cycles)
+        except torch.cuda.OutOfMemoryError:
+            # A prefetch is only ahead of need: without room for it, the record is fetched on
+            # demand when its unpack comes (which raises if memory is still short).
+            self.counters.prefetches_skipped += 1
+            return False
+        candidate.prefetched = tensor
+        candidate.prefetch_event = event
+        candidate.block.last_event = event
+        self.counters.prefetches += 1
+        self.counters.fetches += 1
+        self.counters.bytes_fetched += candidate.nbytes
+        return True
 
     # -- housekeeping ----------------------------------------------------------------------
 

@@ -86,6 +86,8 @@ class Record:
             function read it on), for ordering the release of the device original.
         unpacks: How many times autograd unpacked it (twice with ``retain_graph``).
         packs: How many checkpoints saved it (more than one when dedupe shared it).
+        last_use: Pack sequence of the newest checkpoint that saved it: where backward first
+            needs it.
         fetched: For a record several checkpoints share, the device copy the first of them
             fetched in this backward, served to the others so it crosses the link once.
     """
@@ -100,6 +102,7 @@ class Record:
         "fetched",
         "host",
         "key",
+        "last_use",
         "modified",
         "nbytes",
         "original",
@@ -147,6 +150,7 @@ class Record:
         self.modified = False
         self.unpacks = 0
         self.packs = 1
+        self.last_use = sequence
         self.fetched: torch.Tensor | None = None
         self.owner = owner
         self.witness = witness
