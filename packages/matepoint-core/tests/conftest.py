@@ -8,6 +8,10 @@
 - ``matepoint_reset`` (autouse): every test starts with zeroed stats and no live records, and
   leaves the process-wide defaults and legacy globals as it found them.
 - ``pipeline`` / ``use_reentrant``: the two axes every parity test runs over.
+- ``offload_mode``: ``"default"`` (the process defaults, as a user gets them: on the CPU nothing
+  is offloaded) or ``"forced"`` (every saved input, however small, through a deferred-completion
+  :class:`~matepoint.testing.CPUTestTransport` and back). Yields the mode's name.
+- ``undo_debug_logging``: restores the logger torch's ``debug=True`` checkpoints reconfigure.
 - ``clean_start`` (CUDA tests, by ``usefixtures``): no graph of an earlier failed test alive, the
   device idle, empty idle pools and zeroed stats; afterwards no memory cap left set.
 """
@@ -15,6 +19,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 from collections.abc import Iterator
 
@@ -27,6 +32,7 @@ from matepoint.testing import CPUTestTransport, use_transport
 from matepoint_compat import _legacy
 
 COMPLETION_MODES = ("deferred", "on_query", "immediate")
+OFFLOAD_MODES = ("default", "forced")
 
 SMALL_THRESHOLDS = {
     # Offload every non-empty tensor, however small.
@@ -87,6 +93,27 @@ def cpu_transport(request: pytest.FixtureRequest) -> Iterator[CPUTestTransport]:
         transport.drain()
 
 
+FORCED_OFFLOAD = {
+    **SMALL_THRESHOLDS,
+    # Nothing may stay in flight: every original not referenced elsewhere is released as soon as
+    # its copy has finished, so backward really reads each saved input back from the host.
+    "max_inflight_bytes": 0,
+}
+
+
+@pytest.fixture(params=OFFLOAD_MODES)
+def offload_mode(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test with matepoint's defaults, or with every saved input forced through the host."""
+    if request.param == "default":
+        yield "default"
+        return
+    transport = CPUTestTransport()
+    with use_transport(transport), matepoint.options(**FORCED_OFFLOAD):
+        yield "forced"
+        gc.collect()
+        transport.drain()
+
+
 @pytest.fixture(params=[True, False], ids=["pipeline", "nopipeline"])
 def pipeline(request: pytest.FixtureRequest) -> bool:
     """matepoint's ``pipeline=`` flag."""
@@ -122,6 +149,19 @@ def fast_transport(fresh_stats: None) -> Iterator[CPUTestTransport]:
     with use_transport(test_transport), matepoint.options(min_offload_bytes=0):
         yield test_transport
     test_transport.drain()
+
+
+@pytest.fixture
+def undo_debug_logging() -> Iterator[None]:
+    """Restore the ``LoggingTensor`` logger that torch's ``debug=True`` leaves non-propagating.
+
+    Left so, pytest's capture handler (attached to every non-propagating logger) fails on the
+    records of every later ``debug=True`` checkpoint.
+    """
+    logger = logging.getLogger("LoggingTensor")
+    propagate = logger.propagate
+    yield
+    logger.propagate = propagate
 
 
 @pytest.fixture
