@@ -32,6 +32,13 @@ from matepoint_compat._legacy import (
     pop_legacy_checkpoint_kwargs,
     register_pipeline_callback,
 )
+from matepoint_compat._planning import (
+    CUDA_FUSED_RMS_NORM,
+    TorchDispatchMode,
+    meta_checkpointing,
+    op_flops,
+    run_backward,
+)
 from matepoint_compat._pytree import tree_flatten, tree_unflatten
 from matepoint_compat._version import (
     TORCH_2_5_PLUS,
@@ -51,6 +58,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "CHECKPOINT_SAVES_DUMMY_INPUT",
+    "CUDA_FUSED_RMS_NORM",
     "LEGACY_CHECKPOINT_KWARGS",
     "TORCH_2_5_PLUS",
     "TORCH_2_6_PLUS",
@@ -65,6 +73,7 @@ __all__ = [
     "LegacyModule",
     "MatepointDeprecationWarning",
     "PipelineCallback",
+    "TorchDispatchMode",
     "__version__",
     "adapt_checkpoint_kwargs",
     "allocate_pinned",
@@ -74,11 +83,14 @@ __all__ = [
     "install_legacy_module",
     "legacy_matepoint_pipeline",
     "legacy_pipeline_disabled",
+    "meta_checkpointing",
     "new_event",
     "new_stream",
+    "op_flops",
     "parse_base_version",
     "pop_legacy_checkpoint_kwargs",
     "register_pipeline_callback",
+    "run_backward",
     "saved_tensors_hooks_active",
     "saved_tensors_hooks_enabled",
     "set_current_stream",

@@ -13,6 +13,7 @@ from matepoint._checkpoint import checkpoint, checkpoint_sequential
 from matepoint._errors import InplaceModificationError, MatepointError, PinnedMemoryExhausted
 from matepoint._monitor import prefetch_now, release_pool, report, reset_stats, stats
 from matepoint._options import OffloadOptions, configure, get_options, options
+from matepoint._plan import MemoryPlan, Recommendation, StrategyPlan, TimelinePoint, plan
 from matepoint._stats import OffloadStats
 
 __version__ = "0.2.0"
@@ -27,15 +28,20 @@ if _compat.__version__ != __version__:
 __all__ = [
     "InplaceModificationError",
     "MatepointError",
+    "MemoryPlan",
     "OffloadOptions",
     "OffloadStats",
     "PinnedMemoryExhausted",
+    "Recommendation",
+    "StrategyPlan",
+    "TimelinePoint",
     "__version__",
     "checkpoint",
     "checkpoint_sequential",
     "configure",
     "get_options",
     "options",
+    "plan",
     "prefetch_now",
     "release_pool",
     "report",

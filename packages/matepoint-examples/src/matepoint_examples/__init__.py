@@ -1,8 +1,9 @@
 """Runnable examples for matepoint: models, the strategy registry, the demo and the benchmark.
 
 Public: :mod:`matepoint_examples.models`, :mod:`matepoint_examples.strategies`, and the console
-scripts ``matepoint-demo`` (:func:`matepoint_examples.demo.main`) and ``matepoint-bench``
-(:func:`matepoint_examples.bench.main`).
+scripts ``matepoint-demo`` (:func:`matepoint_examples.demo.main`), ``matepoint-bench``
+(:func:`matepoint_examples.bench.main`) and ``matepoint-plan``
+(:func:`matepoint_examples.plan.main`).
 """
 
 from matepoint_examples.models import (

@@ -1,0 +1,112 @@
+"""What the planner needs of the offload engine besides its decisions: keep rules, saves, blocks.
+
+See Note [Planner fidelity] in ``matepoint._plan_engine``: these mirror ``matepoint._engine``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch
+
+from matepoint._plan_trace import MemoryTracker
+
+__all__ = ["Fate", "SavedInput", "SizeOnlyChannel", "is_dense", "stays_on_device"]
+
+Fate = Literal["offloaded", "shared", "small", "parameter", "other"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedInput:
+    """One tensor a checkpoint saved for recomputation, and what matepoint did with it.
+
+    Attributes:
+        index: Order of the save in the step (0 for the first).
+        nbytes: Its bytes.
+        shape: Its shape.
+        dtype: Its dtype, as a string (``"torch.bfloat16"``).
+        fate: ``"offloaded"`` (copied to host memory), ``"shared"`` (already offloaded by another
+            checkpoint: dedupe), ``"small"`` (below ``min_offload_bytes``, kept on the device),
+            ``"parameter"`` or ``"other"`` (kept: not on the device, not dense, a subclass...).
+    """
+
+    index: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    fate: Fate
+
+
+class SizeOnlyChannel:
+    """A channel whose host blocks are meta tensors: the pool's bookkeeping without memory."""
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        self.device = torch.device("meta")
+        self._tracker = tracker
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        self._tracker.paused += 1
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+        finally:
+            self._tracker.paused -= 1
+
+    allocate_pageable = allocate_host
+
+    def synchronize(self, event: Any) -> float:
+        return 0.0
+
+
+_OFFLOADABLE_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(torch, name)
+)
+
+
+def stays_on_device(tensor: torch.Tensor) -> bool:
+    """Mirror ``matepoint._engine._stays_on_device`` (lazy bits, layouts, dtypes it cannot copy)."""
+    return (
+        tensor.is_nested
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or tensor.dtype not in _OFFLOADABLE_DTYPES
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.is_inference()
+    )
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Mirror ``matepoint._engine._is_dense``: elements fill ``numel`` slots, no overlap."""
+    if tensor.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted(
+        (stride, size)
+        for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+        if size != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -1,0 +1,266 @@
+"""``matepoint-plan``: will an example model fit, how much host RAM, will the link keep up?
+
+Plans one training step of a benchmark workload with :func:`matepoint.plan` on the meta device
+(no GPU, no memory for the model), under no checkpoint, torch's checkpoint and matepoint, and
+prints a table; ``--json`` and ``--plot`` write the report and a PNG of device and host memory
+over the step. With ``--budget`` it proposes offload options that fit, and if none do, finds the
+largest batch that would.
+
+Run ``matepoint-plan --model deep96`` or ``python -m matepoint_examples.plan --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+import matepoint
+from matepoint_examples._planning import largest_batch, plan_workload
+from matepoint_examples._workloads import WORKLOADS, Workload, get_workload
+
+__all__ = ["main", "plot", "rich_table"]
+
+_GIB = float(1 << 30)
+_GB = 1e9
+_MIB = 1 << 20
+_LABELS = {"none": "no checkpoint", "torch": "torch checkpoint", "matepoint": "matepoint"}
+
+
+def _gib(value: int) -> str:
+    return f"{value / _GIB:.2f} GiB"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _ratios(strategy_plan: matepoint.StrategyPlan) -> str:
+    """Link time over the compute it overlaps, each direction: above 1 the link sets the pace."""
+    if not strategy_plan.link_bytes:
+        return "-"
+    forward = strategy_plan.to_host_seconds / max(strategy_plan.forward_seconds, 1e-12)
+    backward = strategy_plan.to_device_seconds / max(strategy_plan.backward_seconds, 1e-12)
+    return f"{forward:.2f} / {backward:.2f}"
+
+
+def rich_table(memory_plan: matepoint.MemoryPlan) -> Table:
+    """Return the plan as a rich table: one column per strategy."""
+    plans = list(memory_plan.strategies.values())
+    table = Table(title="One training step, planned on the meta device")
+    table.add_column("")
+    for strategy_plan in plans:
+        table.add_column(
+            _LABELS.get(strategy_plan.strategy, strategy_plan.strategy), justify="right"
+        )
+    rows: list[tuple[str, list[str]]] = [
+        ("peak device memory", [_gib(p.peak_bytes) for p in plans]),
+        ("  of which before the step", [_gib(p.baseline_bytes) for p in plans]),
+        ("held after forward", [_gib(p.held_after_forward_bytes) for p in plans]),
+        ("pinned host RAM", [_gib(p.pinned_bytes + p.pageable_bytes) for p in plans]),
+        ("to host / to device", [
+            f"{p.bytes_to_host / _GB:.2f} / {p.bytes_to_device / _GB:.2f} GB" for p in plans
+        ]),
+        ("link time, each way*", [
+            f"{_ms(p.to_host_seconds)} / {_ms(p.to_device_seconds)}" for p in plans
+        ]),
+        ("compute fwd / bwd*", [
+            f"{_ms(p.forward_seconds)} / {_ms(p.backward_seconds)}" for p in plans
+        ]),
+        ("link / compute, fwd / bwd*", [_ratios(p) for p in plans]),
+    ]  # fmt: skip
+    for label, cells in rows:
+        table.add_row(label, *cells)
+    return table
+
+
+def _notes(memory_plan: matepoint.MemoryPlan) -> list[str]:
+    notes = [
+        f"* estimates: link at {memory_plan.link_bandwidth / _GB:.0f} GB/s each way; compute is "
+        f"the step's FLOPs at {memory_plan.peak_flops / 1e12:.0f} TFLOP/s, a peak no real step "
+        "reaches, so real compute is longer: a link/compute ratio below 1 means the copies hide "
+        "behind compute even then.",
+    ]
+    if "matepoint" in memory_plan.strategies:
+        counters = memory_plan["matepoint"].counters
+        notes.append(
+            f"matepoint: {counters['offloads']} inputs offloaded ({counters['dedupe_hits']} "
+            f"shared saves), {counters['fetches']} copies back ({counters['prefetches']} "
+            f"prefetched), {counters['stash_hits']} served on the device, "
+            f"{counters['skipped_small']} small and {counters['skipped_parameters']} "
+            "parameters kept in place."
+        )
+    return notes
+
+
+def plot(memory_plan: matepoint.MemoryPlan, path: Path, budget_bytes: int | None = None) -> Path:
+    """Draw device and host memory over the step, one line per strategy, as a PNG.
+
+    The horizontal axis is the step's allocations and frees in order (not time: the planner
+    runs no kernels), with a marker where forward ends and backward starts.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (device_ax, host_ax) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    for strategy_plan in memory_plan.strategies.values():
+        timeline = strategy_plan.timeline
+        label = _LABELS.get(strategy_plan.strategy, strategy_plan.strategy)
+        steps = range(len(timeline))
+        device = [point.device_bytes / _GIB for point in timeline]
+        (line,) = device_ax.plot(steps, device, label=label, linewidth=1.2)
+        color = line.get_color()
+        backward = next(i for i, point in enumerate(timeline) if point.phase != "forward")
+        device_ax.axvline(backward, color=color, linestyle=":", linewidth=0.8)
+        if max(point.host_bytes for point in timeline) > 0:
+            host = [point.host_bytes / _GIB for point in timeline]
+            in_use = [point.host_in_use_bytes / _GIB for point in timeline]
+            host_ax.plot(steps, host, color=color, label=f"{label}: pinned pool")
+            host_ax.plot(steps, in_use, color=color, linestyle=":", label=f"{label}: in use")
+    if budget_bytes is not None:
+        device_ax.axhline(budget_bytes / _GIB, color="black", linestyle="--", label="budget")
+    device_ax.set_ylabel("device GiB allocated")
+    device_ax.set_title("Device memory over one training step (planned; dotted: backward starts)")
+    device_ax.legend(fontsize="small")
+    host_ax.set_ylabel("host GiB")
+    host_ax.set_xlabel("allocations and frees, in order")
+    if host_ax.get_legend_handles_labels()[0]:
+        host_ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="matepoint-plan",
+        description="Plan device memory, host RAM and link traffic of an example model's "
+        "training step, without a GPU.",
+    )
+    p.add_argument("--model", default="gpt12", help=f"one of: {', '.join(WORKLOADS)} (gpt12)")
+    for name, text in (
+        ("depth", "number of checkpointed blocks"),
+        ("width", "model dimension"),
+        ("heads", "attention heads (latent stacks)"),
+        ("batch", "batch size"),
+        ("seq", "tokens per sample (sequence length)"),
+        ("vocab", "vocabulary (GPT)"),
+        ("head-dim", "head dimension (GPT)"),
+    ):
+        p.add_argument(f"--{name}", type=int, help=text)
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="parameter/activation dtype")
+    p.add_argument("--stash", type=float, help="stash_bytes, in MiB (default: matepoint's)")
+    p.add_argument("--prefetch", type=int, help="prefetch depth (default: matepoint's)")
+    p.add_argument("--min-offload", type=float, help="min_offload_bytes, in MiB")
+    p.add_argument("--budget", type=float, help="device memory budget in GiB: propose options")
+    p.add_argument("--bandwidth", type=float, default=55.0, help="link GB/s each way (55)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="compute TFLOP/s (989)")
+    p.add_argument("--json", type=Path, help="write the report as JSON here")
+    p.add_argument("--plot", type=Path, help="write the memory timeline PNG here")
+    return p
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    workload = get_workload(args.model).with_overrides(
+        depth=args.depth,
+        width=args.width,
+        heads=args.heads,
+        batch=args.batch,
+        tokens=args.seq,
+        vocab_size=args.vocab,
+        head_dim=args.head_dim,
+    )
+    return dataclasses.replace(workload, dtype=args.dtype) if args.dtype else workload
+
+
+def _options(args: argparse.Namespace) -> matepoint.OffloadOptions:
+    options = matepoint.get_options()
+    if args.stash is not None:
+        options = dataclasses.replace(options, stash_bytes=int(args.stash * _MIB))
+    if args.prefetch is not None:
+        options = dataclasses.replace(options, prefetch=args.prefetch)
+    if args.min_offload is not None:
+        options = dataclasses.replace(options, min_offload_bytes=int(args.min_offload * _MIB))
+    return options
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Plan a workload and print, and optionally write, the report.
+
+    Args:
+        argv: Command-line arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        ``0``; ``2`` for an unknown model or a shape the model cannot take.
+    """
+    args = _parser().parse_args(argv)
+    console = Console() if sys.stdout.isatty() else Console(width=140)
+    try:
+        workload = _workload(args)
+        options = _options(args)
+        started = time.perf_counter()
+        memory_plan = plan_workload(
+            workload,
+            options,
+            link_bandwidth=args.bandwidth * _GB,
+            peak_flops=args.peak_tflops * 1e12,
+        )
+    except (KeyError, ValueError) as error:
+        console.print(f"[red]{error}[/]")
+        return 2
+    seconds = time.perf_counter() - started
+    console.print(f"[bold]{workload.name}[/]: {workload.description or workload}")
+    console.print(rich_table(memory_plan))
+    for note in _notes(memory_plan):
+        console.print(f"[dim]{note}[/]", highlight=False)
+    report: dict[str, Any] = {
+        "model": dataclasses.asdict(workload),
+        "planning_seconds": seconds,
+        "plan": memory_plan.to_dict(),
+    }
+    budget = None if args.budget is None else int(args.budget * _GIB)
+    if budget is not None:
+        recommendation = memory_plan.recommend(budget)
+        console.print(f"[bold]budget {args.budget:g} GiB[/]: {recommendation}")
+        report["recommendation"] = {
+            "fits": recommendation.fits,
+            "options": None
+            if recommendation.options is None
+            else dataclasses.asdict(recommendation.options),
+            "peak_bytes": recommendation.plan.peak_bytes,
+            "link_bytes": recommendation.plan.link_bytes,
+            "minimum_peak_bytes": recommendation.minimum_peak_bytes,
+            "batch_fraction": recommendation.batch_fraction,
+        }
+        if not recommendation.fits:
+            frugal = dataclasses.replace(options, min_offload_bytes=1, stash_bytes=0, prefetch=0)
+            batch = largest_batch(workload, budget, frugal)
+            report["recommendation"]["largest_batch"] = batch
+            console.print(
+                f"largest batch that fits (every input offloaded, no stash, no look-ahead): {batch}"
+                if batch
+                else "not even batch 1 fits: shrink the model or the sequence"
+            )
+    console.print(f"[dim]planned in {seconds:.1f} s[/]")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        console.print(f"wrote {args.json}")
+    if args.plot is not None:
+        plot(memory_plan, args.plot, budget)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
