@@ -77,6 +77,28 @@ def test_peak_grows_with_depth_except_under_matepoint() -> None:
     assert deep["torch"].peak_bytes - (1 + 11 + 3) * B < 4096
 
 
+def test_matrix_products_count_one_cublas_workspace_per_thread() -> None:
+    """Forward's thread and autograd's device thread each keep a cuBLAS workspace."""
+    from matepoint._plan_trace import CUBLAS_WORKSPACE_BYTES
+
+    with torch.device("meta"):
+        layers = torch.nn.ModuleList(torch.nn.Linear(512, 512, bias=False) for _ in range(3))
+        x = torch.empty(1024, 512, requires_grad=True)
+
+    def model(h: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            h = matepoint.checkpoint(layer, h)
+        return h
+
+    plan = matepoint.plan(model, x)
+    weights = 3 * 512 * 512 * 4
+    for strategy in ("none", "torch", "matepoint"):
+        assert plan[strategy].parameter_bytes == weights
+        assert plan[strategy].baseline_bytes == weights + x.numel() * 4 + 2 * CUBLAS_WORKSPACE_BYTES
+    without = matepoint.plan(chain(2), meta_input())
+    assert without["none"].baseline_bytes == B  # no product, no workspace
+
+
 def test_stash_keeps_the_newest_inputs_on_the_device() -> None:
     depth, stashed = 8, 3
     options = matepoint.OffloadOptions(stash_bytes=stashed * B, min_offload_bytes=0)

@@ -73,7 +73,8 @@ class StrategyPlan:
         strategy: ``"none"`` (no checkpoint), ``"torch"`` (``torch.utils.checkpoint``) or
             ``"matepoint"``.
         peak_bytes: Most device bytes alive at once, parameters and inputs included.
-        baseline_bytes: Device bytes before the step (parameters, buffers, inputs).
+        baseline_bytes: Device bytes before the step (parameters, buffers, inputs, and the
+            cuBLAS workspaces of the threads that run matrix products).
         parameter_bytes: The parameters among them (their gradients add as much in backward).
         held_after_forward_bytes: Device bytes forward leaves for backward (after forward,
             loss included, minus before it).

@@ -58,7 +58,8 @@ class StepRecord:
     Attributes:
         strategy: ``"none"``, ``"torch"`` or ``"matepoint"``.
         samples: The timeline (see :data:`matepoint._plan_trace.Sample`).
-        baseline_bytes: Device bytes allocated before the step (parameters, inputs...).
+        baseline_bytes: Device bytes allocated before the step (parameters, inputs, cuBLAS
+            workspaces; see Note [cuBLAS workspaces] in ``_plan_trace``).
         parameter_bytes: The part of ``baseline_bytes`` that is parameters.
         forward_end: Index in ``samples`` of the moment forward (and the loss) ended.
         forward_flops: FLOPs of forward and loss.

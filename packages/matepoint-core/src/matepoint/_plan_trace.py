@@ -29,6 +29,19 @@ __all__ = ["ALLOCATION_GRANULARITY", "MemoryTracker", "Sample", "allocation_size
 ALLOCATION_GRANULARITY = 512
 """Bytes the CUDA caching allocator rounds every allocation up to (its ``kMinBlockSize``)."""
 
+CUBLAS_WORKSPACE_BYTES = 32 << 20
+"""The cuBLAS workspace torch allocates per handle on a Hopper GPU (8 MiB + 128 KiB on older ones).
+
+See Note [cuBLAS workspaces]."""
+
+# Note [cuBLAS workspaces]
+#     torch gives each thread that runs a matrix product its own cuBLAS handle, with a workspace
+#     taken from the caching allocator and kept for the life of the process (cuBLASLt shares it).
+#     A training step runs products on two threads: forward on the caller's, backward (and the
+#     recomputation) on autograd's device thread. Both workspaces exist from the first step on, so
+#     the planner counts one per phase that runs a product, as memory that predates the step.
+_MATRIX_PRODUCTS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm"})
+
 Sample = tuple[int, int, int, int, int]
 """One timeline sample: ``(flops so far, device bytes, pinned bytes, pinned in use, phase)``.
 
@@ -73,6 +86,8 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     Args:
         device_type: The device whose memory is counted (``"meta"``, standing in for CUDA).
+        workspace_bytes: The cuBLAS workspace of each thread that runs a matrix product.
+            Default: :data:`CUBLAS_WORKSPACE_BYTES`. See Note [cuBLAS workspaces].
 
     Example:
         >>> tracker = MemoryTracker("meta")
@@ -82,9 +97,13 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         4096
     """
 
-    def __init__(self, device_type: str = "meta") -> None:
+    def __init__(
+        self, device_type: str = "meta", workspace_bytes: int = CUBLAS_WORKSPACE_BYTES
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.device_type = device_type
+        self.workspace_bytes = workspace_bytes
+        self.workspace_phases: set[int] = set()
         self.flops = 0
         self.phase = 0
         self.step_bytes = 0
@@ -119,9 +138,18 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         flops = compat.op_flops(func, args, kwargs, out)
         if flops:
             self.flops += flops
+        if self.phase not in self.workspace_phases and self._is_product(func):
+            # See Note [cuBLAS workspaces].
+            self.workspace_phases.add(self.phase)
+            self.preexisting_bytes += self.workspace_bytes
         for tensor in _tensors(out):
             self._watch(tensor, preexisting=False)
         return out
+
+    @staticmethod
+    def _is_product(func: Any) -> bool:
+        packet = getattr(func, "overloadpacket", None)
+        return getattr(packet, "__name__", "") in _MATRIX_PRODUCTS
 
     def adopt(self, tensor: torch.Tensor) -> None:
         """Count a tensor that exists before the step (a parameter, an input, a gradient)."""
