@@ -159,7 +159,8 @@ CASES: dict[str, Case] = {
         offloads=lambda reentrant: False,  # keyword tensors: torch holds them by reference
     ),
     "autocast_bf16": Case(
-        lambda: autograd.autocast_step(DEVICE, True), needs=torch.cuda.is_bf16_supported()
+        lambda: autograd.autocast_step(DEVICE, True),
+        needs=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
     ),
     "custom_function_unpack_once": Case(
         lambda: autograd.custom_function_step(DEVICE), reentrant=_NEVER_REENTRANT

@@ -30,6 +30,8 @@ from test_torch_parity import (
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import matepoint_compat as compat
+
 # -- TestAutograd ----------------------------------------------------------------------------------
 
 
@@ -226,7 +228,9 @@ def test_context_fn_contexts(offload_mode: str, use_reentrant: bool, recompute: 
         forward_ops, all_ops, _ = value
         if recompute:
             assert forward_ops == []
-            assert all_ops == ["exp.default", "detach.default"]
+            # How many detaches torch's recomputation logs differs by release (2.4 logs two).
+            assert all_ops[0] == "exp.default"
+            assert set(all_ops[1:]) == {"detach.default"}
         else:
             assert forward_ops == all_ops == ["exp.default"]
 
@@ -430,7 +434,9 @@ def test_saved_tensor_keeps_its_identity(offload_mode: str) -> None:
     identity, _ = parity(
         saved_identity_step("cpu"), mate(False), reference(False), mode=offload_mode
     )
-    assert identity == [True]
+    # parity() compared with torch on this release; older releases (2.4) do not keep identity.
+    if compat.TORCH_2_13_PLUS:
+        assert identity == [True]
 
 
 def backward_and_grad_step(device: str) -> Step:
