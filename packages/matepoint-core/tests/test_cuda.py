@@ -200,3 +200,40 @@ def test_two_devices_in_one_process_use_their_own_channels() -> None:
     assert {"('cuda', 0)", "('cuda', 1)"} <= names
     assert matepoint.stats(synchronize=True).offloads >= 5
     assert all(torch.equal(a, b) for a, b in zip(reference, result, strict=True))
+
+
+def test_forward_and_backward_make_no_synchronizing_call() -> None:
+    """No host-side synchronize on the hot path: CUDA's sync debug mode raises on any.
+
+    After warm-up (pinned pool, cuBLAS handles, caching allocator filled), a whole step under
+    ``torch.cuda.set_sync_debug_mode("error")`` must run: copies out and back, prefetches,
+    releases and waits are all ordered by events on the device.
+    """
+    blocks = make_stack(8)
+    x = torch.randn(TOKENS, WIDTH, device="cuda", requires_grad=True)
+
+    def mate(block: torch.nn.Module, h: torch.Tensor) -> Any:
+        return matepoint.checkpoint(block, h)
+
+    def step(checkpoint_fn: Callable[..., Any]) -> None:
+        run_blocks(blocks, x, checkpoint_fn).sum().backward()
+
+    for checkpoint_fn in (torch_ckpt, mate, mate):
+        step(checkpoint_fn)
+    torch.cuda.synchronize()
+    matepoint.reset_stats()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        try:
+            step(torch_ckpt)
+        except RuntimeError as error:
+            pytest.skip(f"torch's own checkpoint synchronizes on this release: {error}")
+        step(mate)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    snapshot = matepoint.stats()
+    assert snapshot.offloads >= 7
+    assert snapshot.fetches >= 1
+    assert snapshot.throttled_waits == 0
