@@ -24,19 +24,6 @@ def test_plain_options_pass_through_unchanged() -> None:
     _enter(context)
 
 
-def test_keywords_known_to_torch() -> None:
-    assert {
-        "preserve_rng_state",
-        "context_fn",
-        "determinism_check",
-        "debug",
-    } <= compat.TORCH_CHECKPOINT_KEYWORDS
-    assert ("early_stop" in compat.TORCH_CHECKPOINT_KEYWORDS) == compat.TORCH_2_9_PLUS
-    assert (
-        "respect_saved_tensors_hooks" in compat.TORCH_CHECKPOINT_KEYWORDS
-    ) == compat.TORCH_2_14_PLUS
-
-
 @pytest.mark.skipif(compat.TORCH_2_14_PLUS, reason="torch >= 2.14 has respect_saved_tensors_hooks")
 @pytest.mark.parametrize("value", [True, False])
 def test_respect_saved_tensors_hooks_needs_torch_2_14(value: bool) -> None:

@@ -19,9 +19,11 @@ def _deprecated_api() -> None:
     warn_deprecated("`old_api`", replacement="use `new_api` instead")
 
 
-def test_warning_is_a_deprecation_warning_with_versions() -> None:
+def test_warning_is_shown_to_users_by_default_with_versions() -> None:
     w = MatepointDeprecationWarning("`a` is deprecated", since="0.2.0", removal="0.4.0")
-    assert isinstance(w, DeprecationWarning)
+    # FutureWarning: Python's default filters show it even when raised from an imported module.
+    assert isinstance(w, FutureWarning)
+    assert not isinstance(w, DeprecationWarning)
     assert (w.message, w.since, w.removal) == ("`a` is deprecated", "0.2.0", "0.4.0")
     assert str(w) == "`a` is deprecated (deprecated in matepoint 0.2.0, to be removed in 0.4.0)"
 

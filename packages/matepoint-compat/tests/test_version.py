@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import matepoint_compat as compat
-from matepoint_compat import _version
 
 
 @pytest.mark.parametrize(
@@ -51,37 +50,6 @@ def test_installed_version_matches_torch() -> None:
     assert compat.TORCH_VERSION[:2] == tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 
-@pytest.mark.parametrize(
-    ("gate", "release"),
-    [
-        ("TORCH_2_5_PLUS", (2, 5, 0)),
-        ("TORCH_2_6_PLUS", (2, 6, 0)),
-        ("TORCH_2_9_PLUS", (2, 9, 0)),
-        ("TORCH_2_12_PLUS", (2, 12, 0)),
-        ("TORCH_2_13_PLUS", (2, 13, 0)),
-        ("TORCH_2_14_PLUS", (2, 14, 0)),
-    ],
-)
-def test_gates_follow_the_installed_torch(gate: str, release: tuple[int, int, int]) -> None:
-    value = getattr(compat, gate)
-    assert isinstance(value, bool)
-    assert value is getattr(_version, gate)
-    assert value == (compat.parse_base_version(torch.__version__) >= release)
-
-
-def test_gates_are_monotonic() -> None:
-    gates = [
-        compat.TORCH_2_5_PLUS,
-        compat.TORCH_2_6_PLUS,
-        compat.TORCH_2_9_PLUS,
-        compat.TORCH_2_12_PLUS,
-        compat.TORCH_2_13_PLUS,
-        compat.TORCH_2_14_PLUS,
-    ]
-    # Once a gate is False every later one is too.
-    assert gates == sorted(gates, reverse=True)
-
-
 def test_gates_agree_with_torch_features() -> None:
     import inspect
 
@@ -93,7 +61,4 @@ def test_gates_agree_with_torch_features() -> None:
     if not has_kwargs:
         assert ("early_stop" in parameters) == compat.TORCH_2_9_PLUS
         assert ("respect_saved_tensors_hooks" in parameters) == compat.TORCH_2_14_PLUS
-    assert (not compat.TORCH_2_12_PLUS) == compat.CHECKPOINT_SAVES_DUMMY_INPUT
-    assert (
-        not hasattr(torch_checkpoint._CheckpointFrame, "save_inputs")
-    ) == compat.CHECKPOINT_SAVES_DUMMY_INPUT
+    assert hasattr(torch_checkpoint._CheckpointFrame, "save_inputs") == compat.TORCH_2_12_PLUS

@@ -15,8 +15,6 @@ from matepoint_compat._accelerator import (
     stream_context,
 )
 from matepoint_compat._checkpoint import (
-    CHECKPOINT_SAVES_DUMMY_INPUT,
-    TORCH_CHECKPOINT_KEYWORDS,
     adapt_checkpoint_kwargs,
     unwind_failed_checkpoint,
 )
@@ -57,7 +55,6 @@ from matepoint_compat._warnings import TORCH_WARNING_FILTERS, ignore_torch_warni
 __version__ = "0.2.0"
 
 __all__ = [
-    "CHECKPOINT_SAVES_DUMMY_INPUT",
     "CUDA_FUSED_RMS_NORM",
     "LEGACY_CHECKPOINT_KWARGS",
     "TORCH_2_5_PLUS",
@@ -67,7 +64,6 @@ __all__ = [
     "TORCH_2_12_PLUS",
     "TORCH_2_13_PLUS",
     "TORCH_2_14_PLUS",
-    "TORCH_CHECKPOINT_KEYWORDS",
     "TORCH_VERSION",
     "TORCH_WARNING_FILTERS",
     "LegacyModule",

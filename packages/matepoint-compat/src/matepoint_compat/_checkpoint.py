@@ -16,32 +16,15 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from matepoint_compat._version import (
     TORCH_2_9_PLUS,
-    TORCH_2_12_PLUS,
     TORCH_2_13_PLUS,
     TORCH_2_14_PLUS,
     TORCH_VERSION,
 )
 
 __all__ = [
-    "CHECKPOINT_SAVES_DUMMY_INPUT",
-    "TORCH_CHECKPOINT_KEYWORDS",
     "adapt_checkpoint_kwargs",
     "unwind_failed_checkpoint",
 ]
-
-CHECKPOINT_SAVES_DUMMY_INPUT: bool = not TORCH_2_12_PLUS
-"""Whether torch's non-reentrant checkpoint packs a 0-element CPU dummy before the inputs.
-
-torch 2.4-2.11 saves inputs with ``_NoopSaveInputs.apply(dummy, kwargs, *args)``; 2.12 moved to
-``frame.save_inputs``. Can go when torch 2.12 is the oldest supported release.
-"""
-
-TORCH_CHECKPOINT_KEYWORDS: frozenset[str] = frozenset(
-    {"preserve_rng_state", "context_fn", "determinism_check", "debug"}
-    | ({"early_stop"} if TORCH_2_9_PLUS else set())
-    | ({"respect_saved_tensors_hooks"} if TORCH_2_14_PLUS else set())
-)
-"""Keyword arguments the installed torch's checkpoint consumes (the rest reach the function)."""
 
 
 def _installed() -> str:

@@ -23,13 +23,15 @@ DEFAULT_REMOVAL: str = "0.4.0"
 """The release planned to drop the 0.1.x surface."""
 
 
-class MatepointDeprecationWarning(DeprecationWarning):
+class MatepointDeprecationWarning(FutureWarning):
     """A matepoint feature is deprecated; the message says what to use instead.
 
-    It subclasses :class:`DeprecationWarning` so the usual tooling
-    (``-W error::DeprecationWarning``, pytest's ``filterwarnings``) treats it like any other
-    deprecation, while carrying the release that deprecated the feature and the release planned
-    to remove it, so a filter or a test can look at them without parsing the text.
+    It subclasses :class:`FutureWarning`, Python's category for deprecations meant for the people
+    who run the code: Python's default filters hide a :class:`DeprecationWarning` raised from an
+    imported module, which is where a training script's checkpoint calls usually are, and show a
+    :class:`FutureWarning` wherever it comes from. It carries the release that deprecated the
+    feature and the release planned to remove it, so a filter or a test can look at them without
+    parsing the text.
 
     Args:
         message: What is deprecated and what replaces it.

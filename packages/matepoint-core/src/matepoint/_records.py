@@ -98,7 +98,6 @@ class Record:
         "compute",
         "copy_event",
         "device_tensor",
-        "dtype",
         "fetched",
         "host",
         "key",
@@ -140,7 +139,6 @@ class Record:
         self.key = key
         self.nbytes = int(original.numel() * original.element_size())
         self.shape = tuple(original.shape)
-        self.dtype = original.dtype
         self.tensor_type = original.type()
         self.version = original._version
         self.pipelined = pipelined
