@@ -1,22 +1,15 @@
-"""Every workflow of the matepoint monorepo, in one place.
+"""Every workflow of the matepoint monorepo. Start with `nox -s tests`; `nox -t tests` runs all."""
 
-Sessions (``nox -l`` lists them):
-
-- ``tests``: the three packages' tests against torch 2.13.0 on the CPU. The one to run first.
-- ``tests-2.4`` ... ``tests-2.15`` (tag ``tests``): the same tests against each torch release.
-  ``TORCH_VERSIONS=2.4,2.13 nox -t tests`` narrows the set. Each writes junit XML and its
-  compat gates to ``.nox-results/``; ``compat-table`` turns those into ``docs/compat.md``.
-- ``gpu``, ``bench``: GPU tests and the benchmark, against the torch already installed.
-- ``reliability-report``: the fault, bad-input and soak tests; writes ``docs/reliability.md``.
-- ``lint``, ``typecheck``, ``docs``, ``demo``.
-- ``build``, ``smoke-wheels``, ``publish-testpypi``: the release path.
-
-Why two venv backends: ``tests``, ``typecheck``, ``demo`` and ``smoke-wheels`` ask for
-torch==2.13.0 through plain pip, which takes a CPU build where the machine provides one (the
-development machines and CI do). uv looks only at the index and would download a CUDA build of
-several GB there. The per-version matrix uses uv; set ``UV_TORCH_BACKEND=cpu`` (or ``auto``) to
-have uv pick the matching PyTorch build.
-"""
+# Notes for maintainers (kept out of the docstring, which ``nox -l`` prints above the list):
+#
+# - ``tests-2.4`` ... ``tests-2.15`` (tag ``tests``) run the same tests against each torch
+#   release; ``TORCH_VERSIONS=2.4,2.13 nox -t tests`` narrows the set. Each writes junit XML and
+#   its compat gates to ``.nox-results/``; ``compat-table`` turns those into ``docs/compat.md``.
+# - Why two venv backends: ``tests``, ``typecheck``, ``demo`` and ``smoke-wheels`` ask for
+#   torch==2.13.0 through plain pip, which takes a CPU build where the machine provides one (the
+#   development machines and CI do). uv looks only at the index and would download a CUDA build
+#   of several GB there. The per-version matrix uses uv; set ``UV_TORCH_BACKEND=cpu`` (or
+#   ``auto``) to have uv pick the matching PyTorch build.
 
 from __future__ import annotations
 
