@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 
+from matepoint._engine import _is_dense, _stays_on_device
 from matepoint._plan_trace import MemoryTracker
 
 __all__ = ["Fate", "SavedInput", "SizeOnlyChannel", "is_dense", "stays_on_device"]
@@ -58,55 +59,6 @@ class SizeOnlyChannel:
         return 0.0
 
 
-_OFFLOADABLE_DTYPES = frozenset(
-    getattr(torch, name)
-    for name in (
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-    )
-    if hasattr(torch, name)
-)
-
-
-def stays_on_device(tensor: torch.Tensor) -> bool:
-    """Mirror ``matepoint._engine._stays_on_device`` (lazy bits, layouts, dtypes it cannot copy)."""
-    return (
-        tensor.is_nested
-        or tensor.layout != torch.strided
-        or tensor.is_quantized
-        or tensor.dtype not in _OFFLOADABLE_DTYPES
-        or tensor.is_conj()
-        or tensor.is_neg()
-        or tensor.is_inference()
-    )
-
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """Mirror ``matepoint._engine._is_dense``: elements fill ``numel`` slots, no overlap."""
-    if tensor.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted(
-        (stride, size)
-        for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-        if size != 1
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+# The engine's own keep rules, shared so the planner cannot drift from them.
+stays_on_device = _stays_on_device
+is_dense = _is_dense

@@ -35,16 +35,7 @@ from matepoint._stats import Counters
 
 __all__ = ["StepRecord", "run_step"]
 
-_TORCH_CHECKPOINT_OPTIONS = frozenset(
-    {
-        "preserve_rng_state",
-        "context_fn",
-        "determinism_check",
-        "debug",
-        "early_stop",
-        "respect_saved_tensors_hooks",
-    }
-)
+_TORCH_CHECKPOINT_OPTIONS = _checkpoint._CHECKPOINT_OPTION_NAMES
 _ATTACH_POINTS = ("pack", "unpack", "torch_checkpoint")
 
 _lock = threading.RLock()
