@@ -423,6 +423,20 @@ def test_shared_input_is_prefetched_where_backward_first_needs_it(
     assert_nothing_leaked()
 
 
+def test_shared_records_are_forgotten_with_their_graph(transport: CPUTestTransport) -> None:
+    """Without look-ahead nothing scans the shared list; dead entries still go with the graph."""
+    x = torch.randn(4, 16, requires_grad=True)
+    with matepoint.options(prefetch=0):
+        for _ in range(5):
+            h = x * 1
+            out = matepoint.checkpoint(torch.sin, h) + matepoint.checkpoint(torch.cos, h)
+            del h
+            out.sum().backward()
+            del out
+    assert_nothing_leaked()
+    assert engine_of(transport)._shared == []
+
+
 def test_prefetch_skips_records_still_on_the_device(fast_transport: CPUTestTransport) -> None:
     # Inputs that something else keeps alive are served from the device: no copy back, and
     # the look-ahead does not fetch them either.

@@ -543,6 +543,8 @@ class ChannelEngine:
             if reference is not None and reference() is None:
                 del self._by_key[key]
             settled = True
+        if settled and self._shared:
+            self._shared = [reference for reference in self._shared if reference() is not None]
         if settled and len(self._order) > 2 * len(self._records) + 16:
             self._order = [sequence for sequence in self._order if sequence in self._records]
 
