@@ -600,6 +600,7 @@ def test_no_growth_over_1000_steps(completion: str, steps: int, fresh_stats: Non
             if step == 0:
                 pinned_after_first = matepoint.stats().pool_pinned_bytes
         snapshot = settle()
+        engine = engine_of(test_transport)  # forgotten once the transport is swapped out
     assert time.perf_counter() - start < 20
     assert pinned_after_first == 3 * 2 * 8 * 4
     assert snapshot.pool_pinned_bytes == pinned_after_first
@@ -607,7 +608,6 @@ def test_no_growth_over_1000_steps(completion: str, steps: int, fresh_stats: Non
     assert snapshot.pool_blocks_reused == 3 * (steps - 1)
     assert snapshot.live_records == 0
     assert snapshot.pool_in_use_bytes == 0
-    engine = engine_of(test_transport)
     assert len(engine._records) == 0
     assert len(engine._by_key) == 0
     assert len(engine._order) <= 16 + 3

@@ -95,3 +95,9 @@ def test_stats_without_any_engine_is_zero(fresh_stats: None) -> None:
     snapshot = matepoint.stats(synchronize=True)
     assert snapshot.offloads == 0
     assert snapshot.live_records == 0
+
+
+def test_a_snapshot_is_not_a_counter_it_could_reset() -> None:
+    """A snapshot is a copy; resetting goes through matepoint.reset_stats()."""
+    snapshot = matepoint.stats()
+    assert not hasattr(snapshot, "reset")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -191,3 +192,30 @@ def test_engine_under_the_transport_end_to_end(fresh_stats: None) -> None:
         x = torch.randn(64, 64, requires_grad=True)
         matepoint.checkpoint(torch.sin, x * 1).sum().backward()
     torch.testing.assert_close(x.grad, torch.cos(x.detach()))
+
+
+def test_a_transport_no_longer_used_is_freed_with_its_engine() -> None:
+    """Switching transports forgets the idle engines of the old one, so nothing keeps it alive."""
+    transport = CPUTestTransport()
+    reference = weakref.ref(transport)
+    with use_transport(transport), matepoint.options(min_offload_bytes=0):
+        x = torch.randn(4, 16, requires_grad=True)
+        matepoint.checkpoint(torch.sin, x * 1).sum().backward()
+        assert matepoint.stats().offloads == 1
+    del transport
+    gc.collect()
+    assert reference() is None
+
+
+def test_an_engine_with_live_records_outlives_the_switch() -> None:
+    """A graph still alive after its transport was swapped out keeps its engine, and frees it."""
+    transport = CPUTestTransport(completion="immediate")
+    with use_transport(transport), matepoint.options(min_offload_bytes=0):
+        x = torch.randn(4, 16, requires_grad=True)
+        out = matepoint.checkpoint(torch.sin, x * 1)
+    assert matepoint.stats().live_records == 1
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.cos(x.detach()))
+    del out
+    gc.collect()
+    assert matepoint.stats().live_records == 0

@@ -8,6 +8,7 @@ calls :func:`pack` and :func:`unpack` from the saved-tensor hooks.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import threading
 import weakref
 from collections import deque
@@ -25,8 +26,10 @@ from matepoint._transport import Channel, CudaTransport, Transport
 
 __all__ = [
     "ChannelEngine",
+    "RetiredCounts",
     "all_engines",
     "pack",
+    "retired_counts",
     "set_transport",
     "transport",
     "unpack",
@@ -51,14 +54,61 @@ def transport() -> Transport:
 
 
 def set_transport(new_transport: Transport) -> None:
-    """Install ``new_transport`` for every offload from now on (tests use ``use_transport``)."""
+    """Install ``new_transport`` for every offload from now on (tests use ``use_transport``).
+
+    Engines of other transports that hold nothing any more are forgotten, so a transport that is
+    no longer used (and its pool) can be freed. One whose records are still alive stays listed
+    until a later switch finds it idle: its graph still owns it, and stats still count it.
+    """
     global _transport
     with _transport_lock:
         _transport = new_transport
+        for key, engine in list(_engines.items()):
+            if engine.transport is not new_transport and engine.idle():
+                del _engines[key]
+                _retire(engine)
+
+
+class RetiredCounts:
+    """What forgotten engines counted, so stats since the last reset still include it."""
+
+    def __init__(self) -> None:
+        self.counters = Counters()
+        self.blocks_allocated = 0
+        self.blocks_reused = 0
+        self.pageable_fallbacks = 0
+
+    def reset(self) -> None:
+        """Zero every count."""
+        self.counters.reset()
+        self.blocks_allocated = self.blocks_reused = self.pageable_fallbacks = 0
+
+
+_retired = RetiredCounts()
+
+
+def _retire(engine: ChannelEngine) -> None:
+    with engine.lock:
+        for field in dataclasses.fields(Counters):
+            name = field.name
+            setattr(
+                _retired.counters,
+                name,
+                getattr(_retired.counters, name) + getattr(engine.counters, name),
+            )
+        _retired.blocks_allocated += engine.pool.blocks_allocated
+        _retired.blocks_reused += engine.pool.blocks_reused
+        _retired.pageable_fallbacks += engine.pool.pageable_fallbacks
+        engine.pool.release_all_idle()
+
+
+def retired_counts() -> RetiredCounts:
+    """Return the counts of engines forgotten since the last reset."""
+    return _retired
 
 
 def all_engines() -> list[ChannelEngine]:
-    """Return every channel engine created so far."""
+    """Return every channel engine in use: the current transport's, and any still holding data."""
     with _transport_lock:
         return list(_engines.values())
 
@@ -69,7 +119,7 @@ def _engine_for(key: Hashable, tensor: torch.Tensor, active: Transport) -> Chann
         with _transport_lock:
             engine = _engines.get(key)
             if engine is None:
-                engine = ChannelEngine(active.channel(tensor), str(key))
+                engine = ChannelEngine(active.channel(tensor), str(key), active)
                 _engines[key] = engine
     return engine
 
@@ -209,11 +259,13 @@ class ChannelEngine:
     Args:
         channel: The transport's channel for the device.
         name: A label for reports.
+        transport: The transport the channel belongs to.
     """
 
-    def __init__(self, channel: Channel, name: str) -> None:
+    def __init__(self, channel: Channel, name: str, transport: Transport) -> None:
         self.channel = channel
         self.name = name
+        self.transport = transport
         self.lock = threading.RLock()
         self.pool = PinnedPool(channel)
         self.counters = Counters()
@@ -569,6 +621,16 @@ class ChannelEngine:
         with self.lock:
             self._settle_graveyard()
             return sum(1 for reference in self._records.values() if reference() is not None)
+
+    def idle(self) -> bool:
+        """Return whether no record, held original or pinned block in use is left."""
+        with self.lock:
+            return (
+                self.live_records() == 0
+                and self.held_bytes() == 0
+                and self.pool.in_use_bytes == 0
+                and not self._in_flight
+            )
 
     def held_bytes(self) -> int:
         """Return device bytes of originals the engine still references (stash and in flight)."""

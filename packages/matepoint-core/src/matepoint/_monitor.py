@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from matepoint._engine import all_engines, kept_counters
+from matepoint._engine import all_engines, kept_counters, retired_counts
 from matepoint._options import get_options
 from matepoint._stats import Counters, OffloadStats, format_report
 
@@ -33,11 +33,15 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
     engines = all_engines()
     for engine in engines:
         engine.settle(block=synchronize)
-    for counters in [kept_counters()] + [engine.counters for engine in engines]:
+    retired = retired_counts()
+    for counters in [kept_counters(), retired.counters] + [engine.counters for engine in engines]:
         for name in _COUNTER_NAMES:
             totals[name] += getattr(counters, name)
     for name, value in totals.items():
         setattr(snapshot, name, type(getattr(snapshot, name))(value))
+    snapshot.pool_blocks_allocated += retired.blocks_allocated
+    snapshot.pool_blocks_reused += retired.blocks_reused
+    snapshot.pageable_fallbacks += retired.pageable_fallbacks
     for engine in engines:
         snapshot.pool_pinned_bytes += engine.pool.pinned_bytes
         snapshot.pool_in_use_bytes += engine.pool.in_use_bytes
@@ -52,12 +56,11 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
 def reset_stats() -> None:
     """Set every counter back to zero (pool and live sizes are current values, not reset)."""
     kept_counters().reset()
+    retired_counts().reset()
     for engine in all_engines():
         with engine.lock:
             engine.counters.reset()
-            engine.pool.blocks_allocated = 0
-            engine.pool.blocks_reused = 0
-            engine.pool.pageable_fallbacks = 0
+            engine.pool.reset_counters()
 
 
 def report(*, synchronize: bool = False) -> str:

@@ -133,6 +133,13 @@ class PinnedPool:
         self.pageable_bytes += nbytes
         return HostBlock(self._channel.allocate_pageable(nbytes), pinned=False)
 
+    def reset_counters(self) -> None:
+        """Zero the event counts (allocations, reuses, fallbacks); sizes are current values."""
+        self.blocks_allocated = 0
+        self.blocks_reused = 0
+        self.blocks_released = 0
+        self.pageable_fallbacks = 0
+
     def give_back(self, block: HostBlock) -> None:
         """Return a block; pinned ones become idle for reuse, pageable ones are freed."""
         if not block.pinned:

@@ -8,8 +8,8 @@ __all__ = ["Counters", "OffloadStats", "format_report"]
 
 
 @dataclasses.dataclass
-class Counters:
-    """Mutable event counts of one channel (or of tensors kept in place); see OffloadStats."""
+class _CounterFields:
+    """The event counts matepoint keeps; see :class:`OffloadStats` for what each one means."""
 
     offloads: int = 0
     bytes_offloaded: int = 0
@@ -30,6 +30,11 @@ class Counters:
     skipped_parameters: int = 0
     skipped_other: int = 0
 
+
+@dataclasses.dataclass
+class Counters(_CounterFields):
+    """Mutable event counts of one channel (or of tensors kept in place); see OffloadStats."""
+
     def reset(self) -> None:
         """Set every count back to zero."""
         for field in dataclasses.fields(self):
@@ -37,7 +42,7 @@ class Counters:
 
 
 @dataclasses.dataclass
-class OffloadStats(Counters):
+class OffloadStats(_CounterFields):
     """A snapshot of matepoint's counters since the last :func:`matepoint.reset_stats`.
 
     A snapshot is a copy: changing it changes nothing in matepoint.

@@ -115,7 +115,7 @@ class Transport(Protocol):
         """Return the key of the channel that can offload ``tensor``, or None if it stays put."""
 
     def channel(self, tensor: torch.Tensor) -> Channel:
-        """Return (creating once) the channel for ``tensor``'s device."""
+        """Create the channel for ``tensor``'s device (the engine calls it once per key)."""
 
 
 class _CudaChannel:
@@ -236,10 +236,11 @@ class _CudaChannel:
 
 
 class CudaTransport:
-    """The real transport: CUDA tensors go to pinned host memory on a per-device side stream."""
+    """The real transport: CUDA tensors go to pinned host memory on a per-device side stream.
 
-    def __init__(self) -> None:
-        self._channels: dict[int, _CudaChannel] = {}
+    It keeps no registry of its own: the engine creates one channel per device key and keeps it
+    with that device's engine.
+    """
 
     def channel_key(self, tensor: torch.Tensor) -> Hashable | None:
         if tensor.device.type != "cuda":
@@ -247,9 +248,5 @@ class CudaTransport:
         return ("cuda", tensor.device.index)
 
     def channel(self, tensor: torch.Tensor) -> Channel:
-        index = tensor.device.index
-        assert index is not None
-        channel = self._channels.get(index)
-        if channel is None:
-            channel = self._channels.setdefault(index, _CudaChannel(tensor.device))
-        return channel
+        assert tensor.device.index is not None
+        return _CudaChannel(tensor.device)
