@@ -28,8 +28,8 @@ import torch
 import torch.utils.checkpoint
 
 import matepoint
+from matepoint import _legacy
 from matepoint.testing import CPUTestTransport, use_transport
-from matepoint_compat import _legacy
 
 COMPLETION_MODES = ("deferred", "on_query", "immediate")
 OFFLOAD_MODES = ("default", "forced")
@@ -66,15 +66,11 @@ def _cheap_gc() -> Iterator[None]:
 def matepoint_reset() -> Iterator[None]:
     """Start from zeroed stats; restore defaults and the 0.1.x legacy globals afterwards."""
     defaults = matepoint.get_options()
-    nopipeline = _legacy._STATE.nopipeline
-    callback = _legacy._STATE.pipeline_callback
-    ctx = list(_legacy._GMATEPOINT_CTX)
     gc.collect()
     matepoint.reset_stats()
     yield
-    _legacy._STATE.nopipeline = nopipeline
-    _legacy._STATE.pipeline_callback = callback
-    _legacy._GMATEPOINT_CTX[:] = ctx
+    vars(matepoint).pop("NOPIPELINE", None)
+    _legacy._GMATEPOINT_CTX.clear()
     if matepoint.get_options() != defaults:
         matepoint.configure(
             **{name: getattr(defaults, name) for name in defaults.__dataclass_fields__}

@@ -1,4 +1,4 @@
-"""Per-torch-version shims for matepoint, and the legacy surface of matepoint 0.1.x.
+"""Per-torch-version shims for matepoint, its deprecation warning, and 0.1.x keyword handling.
 
 Everything that differs between torch releases lives here, behind the named gates of
 ``matepoint_compat._version``. This package never imports ``matepoint`` (the core).
@@ -20,16 +20,7 @@ from matepoint_compat._checkpoint import (
 )
 from matepoint_compat._deprecation import MatepointDeprecationWarning, warn_deprecated
 from matepoint_compat._hooks import saved_tensors_hooks_active, saved_tensors_hooks_enabled
-from matepoint_compat._legacy import (
-    LEGACY_CHECKPOINT_KWARGS,
-    LegacyModule,
-    PipelineCallback,
-    install_legacy_module,
-    legacy_matepoint_pipeline,
-    legacy_pipeline_disabled,
-    pop_legacy_checkpoint_kwargs,
-    register_pipeline_callback,
-)
+from matepoint_compat._legacy import pop_legacy_checkpoint_kwargs
 from matepoint_compat._planning import (
     CUDA_FUSED_RMS_NORM,
     TorchDispatchMode,
@@ -56,7 +47,6 @@ __version__ = "0.2.0"
 
 __all__ = [
     "CUDA_FUSED_RMS_NORM",
-    "LEGACY_CHECKPOINT_KWARGS",
     "TORCH_2_5_PLUS",
     "TORCH_2_6_PLUS",
     "TORCH_2_8_PLUS",
@@ -66,9 +56,7 @@ __all__ = [
     "TORCH_2_14_PLUS",
     "TORCH_VERSION",
     "TORCH_WARNING_FILTERS",
-    "LegacyModule",
     "MatepointDeprecationWarning",
-    "PipelineCallback",
     "TorchDispatchMode",
     "__version__",
     "adapt_checkpoint_kwargs",
@@ -76,16 +64,12 @@ __all__ = [
     "delay_stream",
     "device_module",
     "ignore_torch_warnings",
-    "install_legacy_module",
-    "legacy_matepoint_pipeline",
-    "legacy_pipeline_disabled",
     "meta_checkpointing",
     "new_event",
     "new_stream",
     "op_flops",
     "parse_base_version",
     "pop_legacy_checkpoint_kwargs",
-    "register_pipeline_callback",
     "run_backward",
     "saved_tensors_hooks_active",
     "saved_tensors_hooks_enabled",

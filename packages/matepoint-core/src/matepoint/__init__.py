@@ -7,8 +7,10 @@ stream that overlaps compute.
 """
 
 import sys
+from typing import TYPE_CHECKING
 
 import matepoint_compat as _compat
+from matepoint import _legacy
 from matepoint._checkpoint import checkpoint, checkpoint_sequential
 from matepoint._errors import InplaceModificationError, MatepointError, PinnedMemoryExhausted
 from matepoint._monitor import prefetch_now, release_pool, report, reset_stats, stats
@@ -49,5 +51,8 @@ __all__ = [
     "stats",
 ]
 
-_compat.register_pipeline_callback(prefetch_now)
-_compat.install_legacy_module(sys.modules[__name__])
+# The deprecated 0.1.x globals: see matepoint/_legacy.py and its Note [NOPIPELINE warns at the
+# assignment]. Type checkers do not see __getattr__, which would let any misspelt name through.
+if not TYPE_CHECKING:
+    __getattr__ = _legacy.module_getattr
+sys.modules[__name__].__class__ = _legacy.LegacyModule

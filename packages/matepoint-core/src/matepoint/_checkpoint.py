@@ -21,6 +21,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import matepoint_compat as compat
 from matepoint._engine import pack, unpack
+from matepoint._legacy import pipeline_disabled as legacy_pipeline_disabled
 from matepoint._options import OffloadOptions, get_options
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -150,25 +151,38 @@ def checkpoint(
     before backward needs them, on a side stream that overlaps compute. Device memory for
     activations then stays flat as the model gets deeper, at the cost of host RAM and PCIe
     traffic that the overlap hides. Tensors nested in tuples, lists, dicts and keyword arguments
-    are offloaded too (see Note [Keyword tensors and device RNG state]); parameters and their
-    views, conj/neg views, tensors below ``min_offload_bytes`` and tensors not on an accelerator
-    stay where they are. Gradients are identical to torch's checkpoint. The one deliberate
-    difference: ``use_reentrant`` defaults to ``False``.
+    are offloaded too (keyword tensors only on a device some positional tensor is on, so that
+    torch saves the same RNG states; see Note [Keyword tensors and device RNG state]);
+    parameters and their views, conj/neg views, tensors below ``min_offload_bytes`` and tensors
+    not on an accelerator stay where they are. Gradients are identical to torch's checkpoint.
+    The one deliberate difference: ``use_reentrant`` defaults to ``False``.
+
+    The call is exactly torch's checkpoint, offloading nothing, with ``offload=False``, when
+    gradients are disabled, when another ``saved_tensors_hooks`` context is active (an enclosing
+    checkpoint's forward or recomputation, ``torch.autograd.graph.save_on_cpu``), or where torch
+    disables saved-tensor hooks (some tracing).
 
     Args:
-        function: What to run. With no function and no args, returns a decorator configured by
-            the keyword arguments.
+        function: What to run. With no function and no positional arguments, returns a decorator
+            configured by the keyword arguments: ``@checkpoint(offload=...)``, with the
+            parentheses (``@checkpoint`` alone would run the function at once).
         *args: Arguments of ``function``.
         use_reentrant: torch's flag. Default: ``False`` (``None`` means ``True`` with torch's
             warning, as in torch).
         pipeline: Copy on a side stream overlapping compute (``True``) or synchronously on the
-            compute stream (``False``, for debugging and comparison). Default: ``True``.
-        offload: :class:`OffloadOptions` for this call, ``None`` for the process defaults
-            (:func:`matepoint.configure`), or ``False`` to offload nothing (plain torch checkpoint).
+            compute stream (``False``, for debugging and comparison; no prefetch). The 0.1.x
+            ``matepoint.NOPIPELINE = True`` has the effect of ``False``. Default: ``True``.
+        offload: :class:`OffloadOptions` for this call, ``None`` or ``True`` for the process
+            defaults (:func:`matepoint.configure`), or ``False`` to offload nothing (plain torch
+            checkpoint). Default: ``None``.
         **kwargs: torch's checkpoint options (``preserve_rng_state``, ``context_fn``,
-            ``determinism_check``, ``debug``, ``early_stop``, ``respect_saved_tensors_hooks``,
-            accepted on every torch matepoint supports where they can be honoured), then keyword
-            arguments of ``function``. The 0.1.x keywords ``stream=``, ``matepoint_ctx=`` and
+            ``determinism_check``, ``debug``, ``early_stop``, ``respect_saved_tensors_hooks``),
+            then keyword arguments of ``function``. ``early_stop=`` works on every supported
+            torch: before 2.9, which lacks the keyword, matepoint applies it through
+            ``torch.utils.checkpoint.set_checkpoint_early_stop``. ``respect_saved_tensors_hooks=``
+            needs torch 2.14; from 2.14 a call with ``context_fn`` and no explicit choice passes
+            ``False``, so the tensors selective checkpointing caches stay on the device, as with
+            torch's checkpoint. The 0.1.x keywords ``stream=``, ``matepoint_ctx=`` and
             ``check_inplace_modifications=`` reach a ``function`` that declares them (or takes
             ``**kwargs``), as with torch; otherwise they are dropped with a deprecation warning.
 
@@ -177,17 +191,28 @@ def checkpoint(
 
     Raises:
         InplaceModificationError: In backward, if an offloaded input was modified in place after
-            the forward (torch raises a ``RuntimeError`` for the same case).
-        PinnedMemoryExhausted: If pinned memory runs out and the policy is ``"raise"``.
-        TypeError: For an ``offload=`` of the wrong type, or an option the installed torch lacks.
+            the forward (torch raises a ``RuntimeError`` for the same case; this is a subclass).
+        PinnedMemoryExhausted: In forward, if pinned memory runs out and the policy is
+            ``on_pool_exhausted="raise"``.
+        TypeError: For an ``offload=`` of the wrong type, positional arguments without a
+            function, or ``respect_saved_tensors_hooks=`` on torch older than 2.14.
+        ValueError: Whatever ``torch.utils.checkpoint.checkpoint`` raises for the same arguments,
+            for example keyword arguments with ``use_reentrant=True``.
 
     Example:
         >>> import torch
+        >>> import matepoint
         >>> from matepoint import checkpoint
         >>> block = torch.nn.Linear(64, 64)
         >>> x = torch.randn(8, 64, requires_grad=True)
         >>> y = checkpoint(block, x)
         >>> y.sum().backward()
+        >>> fast_link = matepoint.OffloadOptions(prefetch=4)
+        >>> y = checkpoint(block, x, offload=fast_link)  # options for this call only
+        >>> @checkpoint(offload=fast_link)
+        ... def mlp(h, scale=1.0):
+        ...     return block(h) * scale
+        >>> y = mlp(x, scale=2.0)
     """
     compat.pop_legacy_checkpoint_kwargs(kwargs, function=function, stacklevel=2)
     if function is None:
@@ -217,7 +242,7 @@ def checkpoint(
                 **checkpoint_options,
                 **function_kwargs,
             )
-    pipelined = pipeline and not compat.legacy_pipeline_disabled()
+    pipelined = pipeline and not legacy_pipeline_disabled()
     call_function, call_args = function, args
     if not reentrant and _needs_flattening(args, function_kwargs):
         call_function, call_args = _flattened_call(function, args, function_kwargs)
@@ -264,16 +289,19 @@ def checkpoint_sequential(
         functions: A ``torch.nn.Sequential`` or a sequence of modules or functions.
         segments: Number of chunks.
         input: The tensor fed to the first function.
-        use_reentrant: As in :func:`checkpoint`. Default: ``False``.
+        use_reentrant: As in :func:`checkpoint`; ``None`` warns (``UserWarning``) and means
+            ``True``, as in torch. Default: ``False``.
         pipeline: As in :func:`checkpoint`. Default: ``True``.
         offload: As in :func:`checkpoint`.
-        **kwargs: ``preserve_rng_state`` only, as in torch.
+        **kwargs: ``preserve_rng_state`` only (default ``True``), as in torch; the 0.1.x
+            keywords are dropped with a deprecation warning.
 
     Returns:
         The output of the last function.
 
     Raises:
-        ValueError: For keyword arguments other than ``preserve_rng_state``, or ``segments`` < 1.
+        ValueError: For keyword arguments other than ``preserve_rng_state``, or ``segments`` < 1;
+            otherwise what :func:`checkpoint` raises.
 
     Example:
         >>> import torch
