@@ -15,7 +15,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
-from matepoint import _engine
+from matepoint import _engine, _registry
 from matepoint.testing import CPUTestTransport
 
 WIDTH = 16
@@ -23,7 +23,7 @@ WIDTH = 16
 
 def engine_of(transport: CPUTestTransport) -> _engine.ChannelEngine:
     """Return the engine that offloads through ``transport`` (after at least one offload)."""
-    engine = _engine._engines.get(("cpu-test", id(transport)))
+    engine = _registry._engines.get(("cpu-test", id(transport)))
     assert engine is not None, "nothing was offloaded through this transport"
     return engine
 

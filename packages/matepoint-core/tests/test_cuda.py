@@ -171,7 +171,7 @@ def test_two_devices_in_one_process_use_their_own_channels() -> None:
     """
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    from matepoint import _engine
+    from matepoint import _registry
 
     def step(checkpoint_fn: Callable[..., Any]) -> list[torch.Tensor]:
         first = make_stack(3, seed=0, device="cuda:0")
@@ -195,7 +195,7 @@ def test_two_devices_in_one_process_use_their_own_channels() -> None:
         )
 
     result = step(mate)
-    names = {engine.name for engine in _engine.all_engines()}
+    names = {engine.name for engine in _registry.all_engines()}
     print(f"\n[gpu] engines after a two-device step: {sorted(names)}")
     assert {"('cuda', 0)", "('cuda', 1)"} <= names
     assert matepoint.stats(synchronize=True).offloads >= 5

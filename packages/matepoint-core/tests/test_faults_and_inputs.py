@@ -38,7 +38,7 @@ from _recording import Record, report, rss_bytes
 from torch.utils import _pytree as pytree
 
 import matepoint
-from matepoint import _engine
+from matepoint import _registry
 from matepoint.testing import CPUTestTransport, _CPUTestChannel, use_transport
 
 DEPTH = 4
@@ -723,7 +723,7 @@ def test_arguments_on_two_devices(fresh_stats: None, record_property: Record) ->
     with use_transport(two), matepoint.options(min_offload_bytes=0):
         mine, reference = _twice(step)
         snapshot = matepoint.stats()
-        engines = {engine.name for engine in _engine.all_engines()}
+        engines = {engine.name for engine in _registry.all_engines()}
         first_engine_offloads = engine_of(two).counters.offloads
     _assert_same(mine, reference)
     assert snapshot.offloads == 2

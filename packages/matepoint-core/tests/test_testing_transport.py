@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import matepoint
-from matepoint import _engine
+from matepoint import _registry
 from matepoint.testing import POISON_BYTE, CopyReadFreedMemory, CPUTestTransport, use_transport
 
 
@@ -176,15 +176,15 @@ def test_concurrent_waits_from_threads() -> None:
 
 
 def test_use_transport_restores_the_previous_one(fresh_stats: None) -> None:
-    before = _engine.transport()
+    before = _registry.transport()
     inner = CPUTestTransport()
     with use_transport(inner) as active:
         assert active is inner
-        assert _engine.transport() is inner
-    assert _engine.transport() is before
+        assert _registry.transport() is inner
+    assert _registry.transport() is before
     with pytest.raises(KeyError), use_transport(CPUTestTransport()):
         raise KeyError("x")
-    assert _engine.transport() is before
+    assert _registry.transport() is before
 
 
 def test_engine_under_the_transport_end_to_end(fresh_stats: None) -> None:

@@ -20,9 +20,9 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.autograd.graph import saved_tensors_hooks
 
 import matepoint_compat as compat
-from matepoint._engine import pack, unpack
 from matepoint._legacy import pipeline_disabled as legacy_pipeline_disabled
 from matepoint._options import OffloadOptions, get_options
+from matepoint._saving import pack, unpack
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 

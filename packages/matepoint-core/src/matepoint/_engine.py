@@ -1,18 +1,16 @@
-"""The offload engine: decides where each checkpoint input lives between forward and backward.
+"""The offload engine of one device channel: where each checkpoint input lives until backward.
 
 One ``ChannelEngine`` per device (per transport channel) owns that device's records, its held
-originals (stash and copies in flight), its pinned pool and its counters. The checkpoint module
-calls :func:`pack` and :func:`unpack` from the saved-tensor hooks.
+originals (stash and copies in flight), its pinned pool and its counters. ``matepoint._saving``
+hands it the saved inputs that move; ``matepoint._registry`` keeps one per channel.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import threading
 import weakref
 from collections import deque
-from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -20,237 +18,14 @@ import torch
 import matepoint_compat as compat
 from matepoint._options import OffloadOptions
 from matepoint._pool import PinnedPool
-from matepoint._records import KeptTensor, Record, inplace_error
+from matepoint._records import Record, inplace_error
 from matepoint._stats import Counters
-from matepoint._transport import Channel, CudaTransport, Transport
+from matepoint._transport import Channel, Transport
 
-__all__ = [
-    "ChannelEngine",
-    "RetiredCounts",
-    "all_engines",
-    "pack",
-    "retired_counts",
-    "set_transport",
-    "transport",
-    "unpack",
-]
+__all__ = ["ChannelEngine"]
 
 _PREFETCH_SCAN_LIMIT = 64
 _TIMING_BACKLOG = 4096
-
-_transport_lock = threading.Lock()
-_transport: Transport | None = None
-_engines: dict[Hashable, ChannelEngine] = {}
-
-
-def transport() -> Transport:
-    """Return the process-wide transport (the CUDA one unless a test installed another)."""
-    global _transport
-    if _transport is None:
-        with _transport_lock:
-            if _transport is None:
-                _transport = CudaTransport()
-    return _transport
-
-
-def set_transport(new_transport: Transport) -> None:
-    """Install ``new_transport`` for every offload from now on (tests use ``use_transport``).
-
-    Engines of other transports that hold nothing any more are forgotten, so a transport that is
-    no longer used (and its pool) can be freed. One whose records are still alive stays listed
-    until a later switch finds it idle: its graph still owns it, and stats still count it.
-    """
-    global _transport
-    with _transport_lock:
-        _transport = new_transport
-        for key, engine in list(_engines.items()):
-            if engine.transport is not new_transport and engine.idle():
-                del _engines[key]
-                _retire(engine)
-
-
-class RetiredCounts:
-    """What forgotten engines counted, so stats since the last reset still include it."""
-
-    def __init__(self) -> None:
-        self.counters = Counters()
-        self.blocks_allocated = 0
-        self.blocks_reused = 0
-        self.pageable_fallbacks = 0
-
-    def reset(self) -> None:
-        """Zero every count."""
-        self.counters.reset()
-        self.blocks_allocated = self.blocks_reused = self.pageable_fallbacks = 0
-
-
-_retired = RetiredCounts()
-
-
-def _retire(engine: ChannelEngine) -> None:
-    with engine.lock:
-        for field in dataclasses.fields(Counters):
-            name = field.name
-            setattr(
-                _retired.counters,
-                name,
-                getattr(_retired.counters, name) + getattr(engine.counters, name),
-            )
-        _retired.blocks_allocated += engine.pool.blocks_allocated
-        _retired.blocks_reused += engine.pool.blocks_reused
-        _retired.pageable_fallbacks += engine.pool.pageable_fallbacks
-        engine.pool.release_all_idle()
-
-
-def retired_counts() -> RetiredCounts:
-    """Return the counts of engines forgotten since the last reset."""
-    return _retired
-
-
-def all_engines() -> list[ChannelEngine]:
-    """Return every channel engine in use: the current transport's, and any still holding data."""
-    with _transport_lock:
-        return list(_engines.values())
-
-
-def _engine_for(key: Hashable, tensor: torch.Tensor, active: Transport) -> ChannelEngine:
-    engine = _engines.get(key)
-    if engine is None:
-        with _transport_lock:
-            engine = _engines.get(key)
-            if engine is None:
-                engine = ChannelEngine(active.channel(tensor), str(key), active)
-                _engines[key] = engine
-    return engine
-
-
-def _is_dense(tensor: torch.Tensor) -> bool:
-    """Whether the tensor's elements fill exactly ``numel`` storage slots, without overlap."""
-    if tensor.is_contiguous():
-        return True
-    dims = sorted(
-        (stride, size)
-        for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-        if size != 1
-    )
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _keep(tensor: torch.Tensor) -> KeptTensor:
-    try:
-        version = tensor._version
-    except RuntimeError:  # inference tensors have no version counter
-        version = -1
-    return KeptTensor(tensor, version)
-
-
-_kept_counters = Counters()
-_kept_lock = threading.Lock()
-
-
-def _offloadable_dtypes() -> frozenset[torch.dtype]:
-    names = (
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-    )
-    return frozenset(getattr(torch, name) for name in names if hasattr(torch, name))
-
-
-# Dtypes a byte block can be viewed as and copied asynchronously; anything else (bit-packed,
-# quantized, complex32) stays on the device.
-_OFFLOADABLE_DTYPES = _offloadable_dtypes()
-
-
-def _stays_on_device(tensor: torch.Tensor) -> bool:
-    """Whether a tensor must be left where it is, whatever its size.
-
-    Conj and neg views carry a lazy bit that a non-blocking device-to-host copy does not honour
-    (pytorch/pytorch#146286), and a copy into a plain host view would drop the bit. Views of a
-    parameter keep the parameter's memory alive anyway, so moving them frees nothing. Nested
-    tensors and non-strided layouts have no single strided block to copy.
-    """
-    return (
-        tensor.is_nested
-        or tensor.layout != torch.strided
-        or tensor.is_quantized
-        or tensor.dtype not in _OFFLOADABLE_DTYPES
-        or tensor.is_conj()
-        or tensor.is_neg()
-        or tensor.is_inference()
-    )
-
-
-def pack(tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Record | KeptTensor:
-    """Decide where a saved checkpoint input lives until backward; start its copy if it moves.
-
-    Args:
-        tensor: A tensor torch's checkpoint saves for recomputation.
-        options: The call's resolved options.
-        pipelined: Copy on the side stream (True) or synchronously on the compute stream.
-
-    Returns:
-        The object autograd keeps in place of the tensor.
-    """
-    if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
-        with _kept_lock:
-            if isinstance(tensor, torch.nn.Parameter):
-                _kept_counters.skipped_parameters += 1
-            else:
-                _kept_counters.skipped_other += 1
-        return _keep(tensor)
-    if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
-        with _kept_lock:
-            _kept_counters.skipped_parameters += 1
-        return _keep(tensor)
-    if _stays_on_device(tensor):
-        with _kept_lock:
-            _kept_counters.skipped_other += 1
-        return _keep(tensor)
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes < max(options.min_offload_bytes, 1):
-        if nbytes:  # torch 2.4-2.11's 0-element dummy is not a user tensor
-            with _kept_lock:
-                _kept_counters.skipped_small += 1
-        return _keep(tensor)
-    active = transport()
-    key = active.channel_key(tensor)
-    if key is None or not _is_dense(tensor):
-        with _kept_lock:
-            _kept_counters.skipped_other += 1
-        return _keep(tensor)
-    return _engine_for(key, tensor, active).offload(tensor, options, pipelined)
-
-
-def unpack(saved: Record | KeptTensor, options: OffloadOptions) -> torch.Tensor:
-    """Return the device tensor for a saved input, from wherever it lives now.
-
-    Args:
-        saved: What :func:`pack` returned.
-        options: The options of the checkpoint call that saved it (look-ahead, debug delay).
-    """
-    if isinstance(saved, KeptTensor):
-        return saved.unpack()
-    return saved.owner.restore(saved, options)
 
 
 class ChannelEngine:
@@ -653,8 +428,3 @@ def _storage_use_count(tensor: torch.Tensor) -> int | None:
     from matepoint_compat import storage_use_count
 
     return storage_use_count(tensor)
-
-
-def kept_counters() -> Counters:
-    """Return the counters of tensors left in place (not per device)."""
-    return _kept_counters

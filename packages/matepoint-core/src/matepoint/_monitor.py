@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from matepoint._engine import all_engines, kept_counters, retired_counts
 from matepoint._options import get_options
+from matepoint._registry import all_engines, retired_counts
+from matepoint._saving import kept_counters
 from matepoint._stats import Counters, OffloadStats, format_report
 
 __all__ = ["prefetch_now", "release_pool", "report", "reset_stats", "stats"]

@@ -7,11 +7,12 @@ others at the next offload, fetches in backward with look-ahead, and the exact-s
 pool (the real :class:`~matepoint._pool.PinnedPool`, over blocks that hold no memory).
 
 Note [Planner fidelity]
-    This module mirrors ``matepoint._engine``: ``pack``'s keep rules, ``ChannelEngine.offload``,
-    ``_release_held``, ``restore`` (a shared record fetched once per backward pass, see Note
-    [Shared records] there) and ``_prefetch_scan``. One assumption differs from a GPU: a
-    copy to the host has finished by the next offload (so a released original is freed at once,
-    never held by a copy still running), which holds whenever the link keeps up with compute.
+    This module mirrors ``matepoint._saving`` and ``matepoint._engine``: ``pack``'s keep rules,
+    ``ChannelEngine.offload``, ``_release_held``, ``restore`` (a shared record fetched once per
+    backward pass, see Note [Shared records] there) and ``_prefetch_scan``. One assumption differs
+    from a GPU: a copy to the host has finished by the next offload (so a released original is
+    freed at once, never held by a copy still running), which holds whenever the link keeps up
+    with compute.
     ``tests/test_plan.py`` runs the real engine (CPU test transport) and the planner on the same
     models and compares their counters; a change to the engine's rules must be mirrored here.
 """
@@ -128,7 +129,7 @@ class SimEngine:
     # -- forward ---------------------------------------------------------------------------
 
     def _keep_reason(self, tensor: torch.Tensor, options: OffloadOptions) -> Fate | None:
-        """Mirror ``matepoint._engine.pack``: why a saved tensor stays where it is, or None."""
+        """Mirror ``matepoint._saving.pack``: why a saved tensor stays where it is, or None."""
         if type(tensor) is not torch.Tensor:
             if isinstance(tensor, torch.nn.Parameter):
                 self.counters.skipped_parameters += 1

@@ -1,6 +1,7 @@
 """What the planner needs of the offload engine besides its decisions: keep rules, saves, blocks.
 
-See Note [Planner fidelity] in ``matepoint._plan_engine``: these mirror ``matepoint._engine``.
+See Note [Planner fidelity] in ``matepoint._plan_engine``: the keep rules are
+``matepoint._saving``'s own.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from typing import Any, Literal
 
 import torch
 
-from matepoint._engine import _is_dense, _stays_on_device
 from matepoint._plan_trace import MemoryTracker
+from matepoint._saving import _is_dense, _stays_on_device
 
 __all__ = ["Fate", "SavedInput", "SizeOnlyChannel", "is_dense", "stays_on_device"]
 

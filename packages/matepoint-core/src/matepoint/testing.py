@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from matepoint._engine import set_transport, transport
+from matepoint._registry import set_transport, transport
 from matepoint._transport import Channel, Transport
 
 __all__ = ["CPUTestTransport", "CopyReadFreedMemory", "use_transport"]

@@ -1,0 +1,113 @@
+"""Which transport is in use, and the one engine per device channel it has.
+
+Tests install a :class:`matepoint.testing.CPUTestTransport` through ``use_transport``; otherwise
+the CUDA transport is created on first use. Engines are looked up by their channel key; when the
+transport is swapped out, engines of the old one that hold nothing any more are forgotten (their
+counts kept for stats), so an unused transport and its pool can be freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Hashable
+
+import torch
+
+from matepoint._engine import ChannelEngine
+from matepoint._stats import Counters
+from matepoint._transport import CudaTransport, Transport
+
+__all__ = [
+    "RetiredCounts",
+    "all_engines",
+    "engine_for",
+    "retired_counts",
+    "set_transport",
+    "transport",
+]
+
+_transport_lock = threading.Lock()
+_transport: Transport | None = None
+_engines: dict[Hashable, ChannelEngine] = {}
+
+
+def transport() -> Transport:
+    """Return the process-wide transport (the CUDA one unless a test installed another)."""
+    global _transport
+    if _transport is None:
+        with _transport_lock:
+            if _transport is None:
+                _transport = CudaTransport()
+    return _transport
+
+
+def set_transport(new_transport: Transport) -> None:
+    """Install ``new_transport`` for every offload from now on (tests use ``use_transport``).
+
+    Engines of other transports that hold nothing any more are forgotten, so a transport that is
+    no longer used (and its pool) can be freed. One whose records are still alive stays listed
+    until a later switch finds it idle: its graph still owns it, and stats still count it.
+    """
+    global _transport
+    with _transport_lock:
+        _transport = new_transport
+        for key, engine in list(_engines.items()):
+            if engine.transport is not new_transport and engine.idle():
+                del _engines[key]
+                _retire(engine)
+
+
+class RetiredCounts:
+    """What forgotten engines counted, so stats since the last reset still include it."""
+
+    def __init__(self) -> None:
+        self.counters = Counters()
+        self.blocks_allocated = 0
+        self.blocks_reused = 0
+        self.pageable_fallbacks = 0
+
+    def reset(self) -> None:
+        """Zero every count."""
+        self.counters.reset()
+        self.blocks_allocated = self.blocks_reused = self.pageable_fallbacks = 0
+
+
+_retired = RetiredCounts()
+
+
+def _retire(engine: ChannelEngine) -> None:
+    with engine.lock:
+        for field in dataclasses.fields(Counters):
+            name = field.name
+            setattr(
+                _retired.counters,
+                name,
+                getattr(_retired.counters, name) + getattr(engine.counters, name),
+            )
+        _retired.blocks_allocated += engine.pool.blocks_allocated
+        _retired.blocks_reused += engine.pool.blocks_reused
+        _retired.pageable_fallbacks += engine.pool.pageable_fallbacks
+        engine.pool.release_all_idle()
+
+
+def retired_counts() -> RetiredCounts:
+    """Return the counts of engines forgotten since the last reset."""
+    return _retired
+
+
+def all_engines() -> list[ChannelEngine]:
+    """Return every channel engine in use: the current transport's, and any still holding data."""
+    with _transport_lock:
+        return list(_engines.values())
+
+
+def engine_for(key: Hashable, tensor: torch.Tensor, active: Transport) -> ChannelEngine:
+    engine = _engines.get(key)
+    if engine is None:
+        with _transport_lock:
+            engine = _engines.get(key)
+            if engine is None:
+                engine = ChannelEngine(active.channel(tensor), str(key), active)
+                _engines[key] = engine
+    return engine

@@ -1,0 +1,153 @@
+"""The saved-tensor hooks' work: which saved inputs move to the host, and bringing them back.
+
+:func:`pack` keeps a saved input where it is (parameters and their views, small, non-dense, lazy
+bits, not on an offloadable device) or hands it to its device's engine; :func:`unpack` returns
+the device tensor from wherever it lives now.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from matepoint._options import OffloadOptions
+from matepoint._records import KeptTensor, Record
+from matepoint._registry import engine_for, transport
+from matepoint._stats import Counters
+
+__all__ = ["kept_counters", "pack", "unpack"]
+
+
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill exactly ``numel`` storage slots, without overlap."""
+    if tensor.is_contiguous():
+        return True
+    dims = sorted(
+        (stride, size)
+        for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+        if size != 1
+    )
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _keep(tensor: torch.Tensor) -> KeptTensor:
+    try:
+        version = tensor._version
+    except RuntimeError:  # inference tensors have no version counter
+        version = -1
+    return KeptTensor(tensor, version)
+
+
+_kept_counters = Counters()
+_kept_lock = threading.Lock()
+
+
+def _offloadable_dtypes() -> frozenset[torch.dtype]:
+    names = (
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    return frozenset(getattr(torch, name) for name in names if hasattr(torch, name))
+
+
+# Dtypes a byte block can be viewed as and copied asynchronously; anything else (bit-packed,
+# quantized, complex32) stays on the device.
+_OFFLOADABLE_DTYPES = _offloadable_dtypes()
+
+
+def _stays_on_device(tensor: torch.Tensor) -> bool:
+    """Whether a tensor must be left where it is, whatever its size.
+
+    Conj and neg views carry a lazy bit that a non-blocking device-to-host copy does not honour
+    (pytorch/pytorch#146286), and a copy into a plain host view would drop the bit. Views of a
+    parameter keep the parameter's memory alive anyway, so moving them frees nothing. Nested
+    tensors and non-strided layouts have no single strided block to copy.
+    """
+    return (
+        tensor.is_nested
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or tensor.dtype not in _OFFLOADABLE_DTYPES
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.is_inference()
+    )
+
+
+def pack(tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Record | KeptTensor:
+    """Decide where a saved checkpoint input lives until backward; start its copy if it moves.
+
+    Args:
+        tensor: A tensor torch's checkpoint saves for recomputation.
+        options: The call's resolved options.
+        pipelined: Copy on the side stream (True) or synchronously on the compute stream.
+
+    Returns:
+        The object autograd keeps in place of the tensor.
+    """
+    if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
+        with _kept_lock:
+            if isinstance(tensor, torch.nn.Parameter):
+                _kept_counters.skipped_parameters += 1
+            else:
+                _kept_counters.skipped_other += 1
+        return _keep(tensor)
+    if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
+        with _kept_lock:
+            _kept_counters.skipped_parameters += 1
+        return _keep(tensor)
+    if _stays_on_device(tensor):
+        with _kept_lock:
+            _kept_counters.skipped_other += 1
+        return _keep(tensor)
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes < max(options.min_offload_bytes, 1):
+        if nbytes:  # torch 2.4-2.11's 0-element dummy is not a user tensor
+            with _kept_lock:
+                _kept_counters.skipped_small += 1
+        return _keep(tensor)
+    active = transport()
+    key = active.channel_key(tensor)
+    if key is None or not _is_dense(tensor):
+        with _kept_lock:
+            _kept_counters.skipped_other += 1
+        return _keep(tensor)
+    return engine_for(key, tensor, active).offload(tensor, options, pipelined)
+
+
+def unpack(saved: Record | KeptTensor, options: OffloadOptions) -> torch.Tensor:
+    """Return the device tensor for a saved input, from wherever it lives now.
+
+    Args:
+        saved: What :func:`pack` returned.
+        options: The options of the checkpoint call that saved it (look-ahead, debug delay).
+    """
+    if isinstance(saved, KeptTensor):
+        return saved.unpack()
+    return saved.owner.restore(saved, options)
+
+
+def kept_counters() -> Counters:
+    """Return the counters of tensors left in place (not per device)."""
+    return _kept_counters
