@@ -24,12 +24,45 @@ TINY_ARGS = [
 ]
 
 
-def test_main_returns_zero_and_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_prints_legend_progress_table_and_one_summary_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert demo.main(TINY_ARGS) == 0
-    out = capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    # The legend says what each strategy name means, one line each.
+    for name, meaning in demo.DEMO_STRATEGIES.items():
+        assert any(line.split()[:1] == [name] and meaning in line for line in lines), name
+    assert "no checkpoint" in demo.DEMO_STRATEGIES["none"]
+    # Per-step progress ends with every strategy's steps done.
     for name in demo.DEMO_STRATEGIES:
-        assert name in out
-    assert "bitwise equal" in out
+        assert any(line.startswith(name) and "2/2" in line for line in lines), name
+    # The output ends with one summary line: memory, timing, gradients.
+    assert lines[-1].startswith("Summary: ")
+    assert sum(line.startswith("Summary") for line in lines) == 1
+    assert "moved to host memory" in lines[-1]
+    assert "2 CPU steps are too few for timing" in lines[-1]
+    assert lines[-1].endswith("gradients bitwise equal.")
+    # On the CPU nothing is printed that the CPU cannot measure.
+    assert not any("n/a" in line or " ms" in line for line in lines)
+
+
+def _result(name: str, seconds: float, held: int | None, offloaded: int | None) -> demo.DemoResult:
+    grads = [torch.ones(2)]
+    return demo.DemoResult(name, seconds, None, held, offloaded, grads, grads, [1.0])
+
+
+def test_summary_line_on_a_gpu_gives_memory_saved_and_step_time_ratio() -> None:
+    results = {
+        "torch": _result("torch", 0.100, held=4 << 30, offloaded=None),
+        "matepoint": _result("matepoint", 0.105, held=1 << 30, offloaded=12 << 30),
+    }
+    line = demo.summary_line(results, torch.device("cuda"), steps=3)
+    assert line == (
+        "Summary: matepoint holds 1.00 GiB after forward vs 4.00 GiB with torch's checkpoint "
+        "(3.00 GiB saved); step time 1.05x torch's; gradients bitwise equal."
+    )
+    results["matepoint"].first_grads = [torch.zeros(2)]
+    assert demo.summary_line(results, torch.device("cuda"), steps=3).endswith("gradients DIFFER.")
 
 
 def test_run_strategy_is_reproducible_and_offloads() -> None:
@@ -39,6 +72,7 @@ def test_run_strategy_is_reproducible_and_offloads() -> None:
     b = demo.run_strategy("matepoint", cfg, cpu, steps=2)
     assert demo.bitwise_equal(a, b)
     assert a.peak_bytes is None
+    assert a.held_after_forward is None
     assert a.bytes_offloaded is None
     assert b.bytes_offloaded is not None
     assert b.bytes_offloaded > 0

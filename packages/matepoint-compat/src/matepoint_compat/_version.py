@@ -50,6 +50,7 @@ def parse_base_version(version: str) -> tuple[int, int, int]:
 
 
 TORCH_VERSION: tuple[int, int, int] = parse_base_version(torch.__version__)
+"""The installed torch's base release, ``(major, minor, patch)``, read once at import."""
 
 TORCH_2_5_PLUS: bool = TORCH_VERSION >= (2, 5, 0)
 """``Tensor.pin_memory(device)`` is deprecated from 2.5 on; 2.4's checkpoint still recomputes under

@@ -10,7 +10,10 @@ class MatepointError(Exception):
 
 
 class PinnedMemoryExhausted(MatepointError, MemoryError):
-    """Raised when pinned host memory runs out and the policy is ``on_pool_exhausted="raise"``.
+    """Raised in forward when pinned host memory runs out and ``on_pool_exhausted="raise"``.
+
+    Pinned memory runs out when the pool cap is reached, or when the pinned allocation fails even
+    after idle blocks were released.
 
     The checkpoint call that hit the limit leaves nothing behind: the step can be retried after
     freeing memory, raising ``pool_cap_bytes`` or choosing ``on_pool_exhausted="pageable"``.
@@ -21,5 +24,11 @@ class InplaceModificationError(MatepointError, RuntimeError):
     """Raised in backward when a checkpoint input was modified in place after the forward.
 
     torch raises the same condition as a ``RuntimeError`` ("modified by an inplace operation");
-    this subclass keeps that contract while naming matepoint as the place that found it.
+    this subclass keeps that contract and wording while naming matepoint as the place that found
+    it, for example:
+
+        InplaceModificationError: one of the variables needed for gradient computation has been
+        modified by an inplace operation: [torch.cuda.FloatTensor [1024, 512]] (an input of a
+        matepoint.checkpoint) is at version 1; expected version 0 instead. Hint: clone the input
+        before modifying it in place, or modify it only after backward.
     """

@@ -23,6 +23,10 @@ _MIB = 1 << 20
 class OffloadOptions:
     """How matepoint treats a checkpoint's saved inputs.
 
+    A frozen dataclass: build a new one (or use ``dataclasses.replace``) rather than changing
+    one. A checkpoint call resolves its options once, and the same object governs that call's
+    backward, so changing the defaults mid-step never changes a checkpoint already taken.
+
     Args:
         min_offload_bytes: Tensors smaller than this stay on the device; copying them costs more
             than it saves. Default: ``1 MiB``.
@@ -32,24 +36,32 @@ class OffloadOptions:
             after forward. Default: ``0``.
         prefetch: How many earlier checkpoint inputs to start copying back when backward reaches
             one (look-ahead). ``0`` fetches each on demand. Default: ``2``.
-        max_inflight_bytes: Device bytes whose copy to the host may still be running. When
+        max_inflight_bytes: Device bytes whose copy to the host may still be running (originals
+            handed to the allocator, and watched originals beyond ``stash_bytes``). When
             compute outruns the link, the host waits for the oldest copy so that device memory
             stays bounded. Default: ``2 GiB``.
-        pool_cap_bytes: Most pinned host memory the pool may hold; ``None`` means no cap.
-            Default: ``None``.
+        pool_cap_bytes: Most pinned host memory the pool of one device may hold; ``None`` means
+            no cap. Default: ``None``.
         on_pool_exhausted: What to do when the cap is reached or pinned allocation fails:
-            ``"pageable"`` uses ordinary host memory for that tensor (slower copies, one warning);
+            ``"pageable"`` uses ordinary host memory for that tensor (slower copies, one
+            ``ResourceWarning``);
             ``"raise"`` raises :class:`matepoint.PinnedMemoryExhausted`. Default: ``"pageable"``.
         measure_waits: Record device events around each wait of the compute stream, to report the
-            time it waited for copies. Default: ``True``.
+            time it waited for copies back (``compute_wait_seconds``). Default: ``True``.
         side_stream_delay_cycles: Debug knob: busy-wait this many GPU cycles on the side stream
             before each copy, to make missing stream ordering show up as wrong numbers in tests.
             Default: ``0``.
 
+    Raises:
+        ValueError: If an ``int`` field is not an ``int >= 0`` (a ``bool`` is refused), if
+            ``pool_cap_bytes`` is neither ``None`` nor an ``int >= 0``, or if
+            ``on_pool_exhausted`` is not ``"pageable"`` or ``"raise"``.
+
     Example:
-        >>> import matepoint
+        >>> import torch, matepoint
         >>> opts = matepoint.OffloadOptions(prefetch=4, stash_bytes=256 << 20)
-        >>> # y = matepoint.checkpoint(block, x, offload=opts)
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> y = matepoint.checkpoint(torch.sin, x, offload=opts)
     """
 
     min_offload_bytes: int = 1 * _MIB
@@ -98,14 +110,15 @@ def _checked(fields: dict[str, Any]) -> None:
 
 
 def get_options() -> OffloadOptions:
-    """Return the process-wide default offload options."""
+    """Return the process-wide default offload options (see :func:`configure`)."""
     return _defaults
 
 
 def configure(**fields: Any) -> OffloadOptions:
     """Change the process-wide default offload options.
 
-    Every checkpoint call without an ``offload=`` argument uses these defaults.
+    Every checkpoint call without an ``offload=`` argument uses these defaults. Fields not named
+    keep their current value.
 
     Args:
         **fields: Any fields of :class:`OffloadOptions`.
@@ -114,7 +127,7 @@ def configure(**fields: Any) -> OffloadOptions:
         The new defaults.
 
     Raises:
-        TypeError: For a name that is not an option.
+        TypeError: For a name that is not an option (the message lists the valid ones).
         ValueError: For a value out of range.
 
     Example:
@@ -133,16 +146,27 @@ def configure(**fields: Any) -> OffloadOptions:
 def options(**fields: Any) -> Iterator[OffloadOptions]:
     """Change the process-wide defaults inside a ``with`` block, restoring them after.
 
+    They are restored also when the block raises. The defaults are process-wide, not per thread:
+    other threads see the change while the block runs; pass ``offload=`` to a call for options
+    that must apply to one thread only. Each checkpoint call resolves its options in forward, so
+    a backward after the block still uses the options its forward saw.
+
     Args:
         **fields: Any fields of :class:`OffloadOptions`.
 
     Yields:
         The defaults in force inside the block.
 
+    Raises:
+        TypeError: For a name that is not an option.
+        ValueError: For a value out of range.
+
     Example:
-        >>> import matepoint
+        >>> import torch, matepoint
+        >>> x = torch.randn(8, 64, requires_grad=True)
         >>> with matepoint.options(stash_bytes=0):
-        ...     pass
+        ...     loss = matepoint.checkpoint(torch.sin, x).sum()
+        >>> loss.backward()
     """
     global _defaults
     _checked(fields)

@@ -3,8 +3,10 @@
 The demo answers a new user's two questions in under a minute: are matepoint's gradients the
 same as ``torch.utils.checkpoint``'s (bit for bit), and what does it cost and save. It trains a
 :class:`~matepoint_examples.models.DeepLatentStack` from one seed with no checkpoint, with torch's
-checkpoint and with matepoint, then prints one table. On a machine without a GPU it runs on the
-CPU with matepoint's test transport, so the offload path runs for real there too.
+checkpoint and with matepoint, showing each step's progress, then prints a table and one summary
+line. On a machine without a GPU it runs on the CPU with matepoint's test transport, so the
+offload path runs for real there too; a CPU has no separate device memory to save and too few
+steps to time, and the demo says so instead of printing those numbers.
 
 Run ``matepoint-demo`` or ``python -m matepoint_examples.demo``.
 """
@@ -13,19 +15,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import matepoint
 from matepoint_examples._runtime import (
+    allocated_bytes,
     format_bytes,
     peak_bytes,
     reset_peak,
@@ -42,9 +47,15 @@ __all__ = [
     "main",
     "reproducible_attention",
     "run_strategy",
+    "summary_line",
 ]
 
-DEMO_STRATEGIES = ("none", "torch", "matepoint")
+# What each strategy keeps for backward: the legend printed before training.
+DEMO_STRATEGIES = {
+    "none": "no checkpoint (keeps every activation for backward)",
+    "torch": "torch.utils.checkpoint (recomputes; block inputs stay on the device)",
+    "matepoint": "matepoint.checkpoint (recomputes; moves block inputs to host memory)",
+}
 REFERENCE = "torch"
 
 
@@ -56,6 +67,8 @@ class DemoResult:
         strategy: Strategy name.
         step_seconds: Median time of the steps after the first.
         peak_bytes: Peak device memory, or ``None`` on CPU.
+        held_after_forward: Device bytes the first step's forward (loss included) left for
+            backward, or ``None`` on CPU.
         bytes_offloaded: Bytes matepoint offloaded in the run, or ``None`` for other strategies.
         first_grads: Gradients of the first step, on the CPU, in parameter order.
         final_params: Parameters after the last step, on the CPU.
@@ -65,6 +78,7 @@ class DemoResult:
     strategy: str
     step_seconds: float
     peak_bytes: int | None
+    held_after_forward: int | None
     bytes_offloaded: int | None
     first_grads: list[torch.Tensor]
     final_params: list[torch.Tensor]
@@ -112,7 +126,12 @@ def reproducible_attention(device: torch.device) -> AbstractContextManager[objec
 
 
 def run_strategy(
-    name: str, config: DeepLatentConfig, device: torch.device, steps: int, seed: int = 0
+    name: str,
+    config: DeepLatentConfig,
+    device: torch.device,
+    steps: int,
+    seed: int = 0,
+    on_step: Callable[[], None] | None = None,
 ) -> DemoResult:
     """Train a fresh stack from ``seed`` for ``steps`` SGD steps with one strategy.
 
@@ -125,6 +144,7 @@ def run_strategy(
         device: Where to run.
         steps: Number of training steps (at least 1).
         seed: Seed for weights and inputs. Default: ``0``.
+        on_step: Called after each step (progress display). Default: ``None``.
 
     Returns:
         The run's timings, memory and tensors to compare.
@@ -138,6 +158,7 @@ def run_strategy(
     times: list[float] = []
     losses: list[float] = []
     first_grads: list[torch.Tensor] = []
+    held_after_forward: int | None = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     reset_peak(device)
@@ -148,9 +169,13 @@ def run_strategy(
             opt.zero_grad(set_to_none=True)
             synchronize(device)
             start = time.perf_counter()
+            before = allocated_bytes(device)
             with strategy.forward_context():
                 out = model(x)
             loss = out.float().square().mean()
+            after = allocated_bytes(device)
+            if step == 0 and before is not None and after is not None:
+                held_after_forward = after - before
             loss.backward()
             synchronize(device)
             times.append(time.perf_counter() - start)
@@ -161,11 +186,14 @@ def run_strategy(
                     for p in model.parameters()
                 ]
             opt.step()
+            if on_step is not None:
+                on_step()
     offloaded = matepoint.stats().bytes_offloaded if strategy.uses_matepoint else None
     return DemoResult(
         strategy=name,
         step_seconds=statistics.median(times[1:] or times),
         peak_bytes=peak_bytes(device),
+        held_after_forward=held_after_forward,
         bytes_offloaded=offloaded,
         first_grads=first_grads,
         final_params=[p.detach().cpu().clone() for p in model.parameters()],
@@ -210,8 +238,70 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def summary_line(results: dict[str, DemoResult], device: torch.device, steps: int) -> str:
+    """Return the demo's one-line verdict: memory saved, step-time ratio, gradients equal.
+
+    Compares matepoint with torch's checkpoint. On a CPU there is no device memory apart from
+    host memory and a few steps are too few to time, so the line says that instead of numbers
+    that would mislead.
+
+    Args:
+        results: The runs, by strategy name; needs ``"torch"`` and ``"matepoint"``.
+        device: The device they ran on.
+        steps: Steps per strategy.
+
+    Returns:
+        The line, without markup.
+    """
+    ref, mate = results[REFERENCE], results["matepoint"]
+    if mate.held_after_forward is not None and ref.held_after_forward is not None:
+        saved = ref.held_after_forward - mate.held_after_forward
+        memory = (
+            f"matepoint holds {format_bytes(mate.held_after_forward)} after forward vs "
+            f"{format_bytes(ref.held_after_forward)} with torch's checkpoint "
+            f"({format_bytes(saved)} saved)"
+        )
+    else:
+        moved = format_bytes((mate.bytes_offloaded or 0) / steps)
+        memory = f"{moved} of block inputs per step moved to host memory (a CPU saves nothing)"
+    if device.type == "cpu":
+        timing = f"{steps} CPU steps are too few for timing"
+    else:
+        timing = f"step time {mate.step_seconds / ref.step_seconds:.2f}x torch's"
+    grads = "gradients bitwise equal" if bitwise_equal(mate, ref) else "gradients DIFFER"
+    return f"Summary: {memory}; {timing}; {grads}."
+
+
+def _table(results: dict[str, DemoResult], device: torch.device, steps: int) -> Table:
+    """The per-strategy table; on a CPU without the columns a CPU cannot measure."""
+    on_device = device.type != "cpu"
+    columns = ["strategy"]
+    if on_device:
+        columns += ["step time", "held after forward", "peak memory"]
+    columns += ["offloaded per step", "grads vs torch"]
+    table = Table(title="matepoint vs torch.utils.checkpoint")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    ref = results[REFERENCE]
+    for name, r in results.items():
+        if name == REFERENCE:
+            equal = "reference"
+        else:
+            equal = "[green]bitwise equal[/]" if bitwise_equal(r, ref) else "[red]DIFFER[/]"
+        row = [name]
+        if on_device:
+            row += [
+                f"{r.step_seconds * 1e3:.1f} ms",
+                format_bytes(r.held_after_forward),
+                format_bytes(r.peak_bytes),
+            ]
+        row += ["-" if r.bytes_offloaded is None else format_bytes(r.bytes_offloaded / steps)]
+        table.add_row(*row, equal)
+    return table
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the demo and print its table.
+    """Run the demo: a legend, per-step progress, a table and a summary line.
 
     Args:
         argv: Command-line arguments (default: ``sys.argv[1:]``).
@@ -228,52 +318,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         fields["heads"] = math.gcd(fields["width"], base.heads)
     config = DeepLatentConfig(**{**base.__dict__, **fields})
     steps = max(1, args.steps)
-    console = Console()
+    # Lines are not wrapped by rich: one line each also where the output is a log, not a terminal.
+    console = Console(soft_wrap=True)
     latent = config.batch * config.tokens * config.width * (2 if device.type == "cuda" else 4)
     console.print(
         f"[bold]matepoint demo[/] on [cyan]{device}[/]: {config.depth} blocks, d={config.width}, "
         f"{config.batch}x{config.tokens} tokens ({format_bytes(latent)} per block input), "
-        f"{steps} steps"
+        f"{steps} steps per strategy"
     )
-    results: dict[str, DemoResult] = {}
-    with console.status("training") as status:
-        for name in DEMO_STRATEGIES:
-            status.update(f"training with [bold]{name}[/]")
-            results[name] = run_strategy(name, config, device, steps, seed=args.seed)
-    ref = results[REFERENCE]
-    table = Table(title="matepoint vs torch.utils.checkpoint")
-    for column in ("strategy", "step time", "peak memory", "bytes offloaded", "grads equal"):
-        table.add_column(column, justify="left" if column == "strategy" else "right")
-    for name, r in results.items():
-        if name == REFERENCE:
-            equal = "reference"
-        else:
-            equal = "[green]yes[/]" if bitwise_equal(r, ref) else "[red]NO[/]"
-        table.add_row(
-            name,
-            f"{r.step_seconds * 1e3:.1f} ms",
-            format_bytes(r.peak_bytes),
-            "-" if r.bytes_offloaded is None else format_bytes(r.bytes_offloaded),
-            equal,
-        )
-    console.print(table)
-    ok = bitwise_equal(results["matepoint"], ref)
-    if ok:
+    for name, meaning in DEMO_STRATEGIES.items():
+        console.print(f"  [bold]{name:<9}[/] {meaning}")
+    if device.type == "cpu":
         console.print(
-            "[green]matepoint's gradients are bitwise equal to torch.utils.checkpoint's.[/]"
+            "[dim]On the CPU matepoint runs through its test transport: the offload path runs "
+            "for real, but host and device are the same memory.[/]"
         )
-    else:
-        console.print("[red]matepoint's gradients differ from torch.utils.checkpoint's.[/]")
+    results: dict[str, DemoResult] = {}
+    columns = (TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TextColumn("steps"), TimeElapsedColumn(), console=console) as progress:
+        for name in DEMO_STRATEGIES:
+            task = progress.add_task(name, total=steps)
+            advance = functools.partial(progress.advance, task)
+            results[name] = run_strategy(
+                name, config, device, steps, seed=args.seed, on_step=advance
+            )
+    console.print(_table(results, device, steps))
     if device.type == "cuda":
         console.print(
             "[dim]Attention ran on the memory-efficient/math kernels: flash and cuDNN attention "
             "backward are not bitwise reproducible even run to run.[/]"
         )
-    if device.type == "cpu":
-        console.print(
-            "[dim]CPU run: matepoint used its test transport (CPU tensors stand in for device "
-            "tensors), so offloading ran but saves no memory; run on a GPU for real numbers.[/]"
-        )
+    ok = bitwise_equal(results["matepoint"], results[REFERENCE])
+    line = summary_line(results, device, steps)
+    console.print(f"[bold green]{line}[/]" if ok else f"[bold red]{line}[/]")
     return 0 if ok else 1
 
 
