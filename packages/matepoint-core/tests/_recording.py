@@ -1,11 +1,14 @@
-"""What the reliability tests record for ``tools/reliability_report.py`` (``docs/reliability.md``).
+"""The numbers the reliability tests record as data, and the process's resident memory.
 
 Each reliability test calls :func:`report` with pytest's ``record_property`` fixture; the values
-land in the junit XML (``junit_family = xunit1`` keeps them) that the report script renders.
+(steps run, faults injected, memory levels before and after) land in the junit XML
+(``junit_family = xunit1`` keeps them), where a maintainer refreshing docs/reliability.md reads
+them. The tests assert the behaviour; the numbers are data, not prose.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 Record = Callable[[str, object], None]
@@ -16,7 +19,7 @@ def rss_bytes() -> int:
     """The process's resident memory in bytes (0 where ``/proc`` does not exist)."""
     try:
         with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * 4096
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:  # not Linux
         return 0
 
@@ -24,26 +27,13 @@ def rss_bytes() -> int:
 def report(
     record_property: Record,
     *,
-    area: str,
-    case: str,
-    checks: str,
-    guarantees: str,
     steps: int | None = None,
     faults: int | None = None,
     before: dict[str, int] | None = None,
     after: dict[str, int] | None = None,
     **numbers: object,
 ) -> None:
-    """Record a test's description and numbers for ``tools/reliability_report.py``.
-
-    ``area`` is the report's section (faults, inputs, autograd, long runs); ``guarantees`` the
-    comma-separated guarantees the test backs (the report's guarantees section names them);
-    ``before`` / ``after`` are memory levels, recorded as ``<name>_before`` / ``<name>_after``.
-    """
-    record_property("area", area)
-    record_property("case", case)
-    record_property("checks", checks)
-    record_property("guarantees", guarantees)
+    """Record a test's numbers; ``before``/``after`` levels as ``<name>_before``/``_after``."""
     if steps is not None:
         record_property("steps", steps)
     if faults is not None:

@@ -7,8 +7,8 @@ out-of-memory errors come from the allocator itself. Besides matepoint's own lev
 records, pool bytes, device originals held) each fault checks ``torch.cuda.memory_allocated()``:
 after the fault and a recovery step it is back to the byte where it was before.
 
-Every test records its numbers (``record_property``) for ``tools/reliability_report.py``, which
-renders a GPU run's junit XML into the "On a GPU" section of ``docs/reliability.md``.
+Every test records its numbers (``record_property``, see _recording.py) in the junit XML of the
+run, the data behind the "On a GPU" section of ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -186,11 +186,6 @@ def test_fault_leaves_nothing_and_next_step_is_exact(
     assert_restored(before, after)
     report(
         record_property,
-        area="faults",
-        case=f"GPU: {fault}",
-        checks=f"{_FAULTS[fault]}; device memory allocated, live records, pool in use and "
-        "pinned bytes back to their levels; the next two steps equal torch bitwise",
-        guarantees="recovery,no-leak",
         steps=4,
         faults=1,
         before=before,
@@ -236,15 +231,6 @@ def test_pinned_pool_cap_exhausted(policy: str, record_property: Record) -> None
     assert_restored(before, after)
     report(
         record_property,
-        area="faults",
-        case=f"GPU: pinned pool cap exhausted, policy {policy!r}",
-        checks=(
-            "wider inputs need new blocks beyond the cap: pageable copies, gradients equal torch"
-            if policy == "pageable"
-            else "PinnedMemoryExhausted names the cap and the policy to switch to"
-        )
-        + "; device memory and pool back to their levels; next step equals torch",
-        guarantees="recovery,no-leak,exhaustion-policy",
         steps=5 if policy == "pageable" else 4,
         faults=1,
         before=before,
@@ -296,11 +282,6 @@ def test_threads_training_their_own_models(streams_kind: str, record_property: R
     # handle and workspace, which torch keeps for reuse.
     report(
         record_property,
-        area="autograd",
-        case=f"GPU: {threads_count} threads training their own models ({streams_kind})",
-        checks=f"{threads_count} threads x {steps} steps, 4 checkpoints each, at once: every "
-        "gradient bitwise equal to torch; no record, pool block or original left",
-        guarantees="concurrency,parity,no-leak",
         steps=threads_count * steps,
         offloads=offloads,
         before=before,
@@ -340,10 +321,6 @@ def test_autograd_entry_points(entry: str, record_property: Record) -> None:
     assert after["live_records"] == after["pool_in_use_bytes"] == after["device_bytes_held"] == 0
     report(
         record_property,
-        area="autograd",
-        case=f"GPU: {entry}",
-        checks="gradients bitwise equal to torch's checkpoint (dropout on)",
-        guarantees="parity,no-leak",
         steps=2,
         after=after,
     )

@@ -2,7 +2,7 @@
 
 The GPU counterpart of the CPU soak in test_reliability.py: the CUDA transport's copies,
 ``record_stream`` hand-offs and pinned pool over hundreds (``--run-slow``: thousands) of steps.
-Records its numbers for ``tools/reliability_report.py`` (see test_cuda_reliability.py).
+Records its numbers as data (see _recording.py).
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ sparse, strided and zero-size tensors, tensors without grad, integer and bf16 te
 device and host arguments, unknown keyword arguments) and autograd variety (anomaly mode, tensor
 hooks, threads running ``autograd.grad`` with ``create_graph``).
 
-Each test records what it checked and its numbers with ``record_property`` (steps, faults
-injected, live records / pool bytes / device bytes / RSS before and after); ``tools/
-reliability_report.py`` renders them into ``docs/reliability.md``. After a fault the memory
+Each test records its numbers with ``record_property`` (steps, faults injected, live records /
+pool bytes / device bytes / RSS before and after; see _recording.py). After a fault the memory
 levels must be back where they were before it, and the next step must match torch bitwise.
 """
 
@@ -155,11 +154,6 @@ def test_keyboard_interrupt_between_forward_and_backward(
     assert_levels_restored(before, after)
     report(
         record_property,
-        area="faults",
-        case="KeyboardInterrupt between forward and backward",
-        checks="graph dies on unwinding; no record, pinned block or device original survives; "
-        "next step equals torch",
-        guarantees="recovery,no-leak",
         steps=3,
         faults=1,
         before=before,
@@ -204,11 +198,6 @@ def test_keyboard_interrupt_during_backward(
     assert_levels_restored(before, after)
     report(
         record_property,
-        area="faults",
-        case="KeyboardInterrupt during backward",
-        checks="interrupt raised from a tensor hook halfway through backward propagates; "
-        "memory back to its level before; next step equals torch",
-        guarantees="recovery,no-leak",
         steps=3,
         faults=1,
         before=before,
@@ -251,16 +240,6 @@ def test_out_of_memory_while_copying_back(
     assert matepoint.stats().fetches > 0
     report(
         record_property,
-        area="faults",
-        case=f"CUDA OOM while copying a saved input back ({site.replace('_', '-')})",
-        checks=(
-            "the prefetch is skipped and the input fetched on demand: the step's gradients "
-            "equal torch"
-            if site == "prefetch"
-            else "torch.OutOfMemoryError propagates from backward with its message"
-        )
-        + "; live records and pool in-use 0 after gc; next steps equal torch",
-        guarantees="recovery,no-leak,clear-errors",
         steps=4,
         faults=flaky.faults,
         before=before,
@@ -316,16 +295,6 @@ def test_pinned_memory_exhausted(
     assert_levels_restored(before, after)
     report(
         record_property,
-        area="faults",
-        case=f"pinned {'pool cap' if limit == 'pool_cap' else 'host RAM'} exhausted, "
-        f"policy {policy!r}",
-        checks=(
-            "warns once, falls back to pageable copies, gradients equal torch"
-            if policy == "pageable"
-            else "PinnedMemoryExhausted names the limit and the policy to switch to"
-        )
-        + "; pageable bytes freed; pool back to its size after release_pool()",
-        guarantees="recovery,no-leak,exhaustion-policy",
         steps=4,
         faults=1,
         before=before,
@@ -424,12 +393,6 @@ def test_repeated_faults_return_to_the_same_levels(
     assert_nothing_leaked()
     report(
         record_property,
-        area="faults",
-        case="every fault kind, repeated",
-        checks=f"{len(_FAULT_KINDS)} fault kinds x 4 rounds on one engine, each followed by "
-        "a step equal to torch; live records, pool in-use/pinned and device bytes identical "
-        "after every fault",
-        guarantees="recovery,no-leak",
         steps=steps,
         faults=faults,
         before=before,
@@ -591,7 +554,7 @@ _INPUTS: dict[str, tuple[Callable[[Checkpoint], Any], tuple[int, ...], str]] = {
 def test_unusual_inputs_match_torch(
     cpu_transport: CPUTestTransport, kind: str, record_property: Record
 ) -> None:
-    step, offloads, what = _INPUTS[kind]
+    step, offloads, _ = _INPUTS[kind]  # the third item says what the case checks
     mine, reference = _twice(step)
     assert reference[0] == "ok", f"torch's own checkpoint failed: {reference[1]!r}"
     _assert_same(mine, reference)
@@ -604,10 +567,6 @@ def test_unusual_inputs_match_torch(
     assert after["device_bytes_held"] == 0
     report(
         record_property,
-        area="inputs",
-        case=f"input: {kind}",
-        checks=f"{what}; outputs and gradients bitwise equal to torch's checkpoint",
-        guarantees="parity,no-leak",
         steps=2,
         after=after,
         offloads=snapshot.offloads,
@@ -669,11 +628,6 @@ def test_mixed_device_and_host_arguments(fresh_stats: None, record_property: Rec
     assert_nothing_leaked()
     report(
         record_property,
-        area="inputs",
-        case="input: mixed device and host arguments",
-        checks="host tensors stay in place, device tensors move, nested host tensor too; "
-        "gradients bitwise equal to torch",
-        guarantees="parity,no-leak",
         steps=2,
         after=after,
         offloads=snapshot.offloads,
@@ -735,11 +689,6 @@ def test_arguments_on_two_devices(fresh_stats: None, record_property: Record) ->
     assert_nothing_leaked()
     report(
         record_property,
-        area="inputs",
-        case="input: arguments on two devices",
-        checks="one checkpoint call with inputs on two devices: each goes through its own "
-        "device's engine and copy queue; gradients bitwise equal to torch",
-        guarantees="parity,no-leak",
         steps=2,
         after=after,
         offloads=snapshot.offloads,
@@ -831,10 +780,6 @@ def test_bad_calls_raise_a_clear_error(
     assert after["live_records"] == after["pool_in_use_bytes"] == after["device_bytes_held"] == 0
     report(
         record_property,
-        area="inputs",
-        case=f"bad call: {case}",
-        checks=f"raises {error_type} naming {named}, the type torch raises; nothing left behind",
-        guarantees="clear-errors,no-leak",
         steps=1,
         faults=1,
         after=after,
@@ -852,11 +797,6 @@ def test_unknown_offload_option_is_a_type_error(record_property: Record) -> None
         matepoint.OffloadOptions(prefetch=-1)
     report(
         record_property,
-        area="inputs",
-        case="bad call: unknown or out-of-range offload option",
-        checks="options(), configure() and OffloadOptions() raise TypeError naming the unknown "
-        "name, ValueError naming the field out of range",
-        guarantees="clear-errors",
         faults=4,
     )
 
@@ -899,14 +839,6 @@ def test_anomaly_mode(cpu_transport: CPUTestTransport, nan: bool, record_propert
     assert after["live_records"] == after["pool_in_use_bytes"] == 0
     report(
         record_property,
-        area="autograd",
-        case=f"anomaly mode ({'NaN in backward' if nan else 'finite'})",
-        checks=(
-            "detect_anomaly names the node that returned NaN, as with torch"
-            if nan
-            else "gradients under detect_anomaly bitwise equal to torch"
-        ),
-        guarantees="parity,no-leak",
         steps=1,
         after=after,
     )
@@ -956,12 +888,6 @@ def test_tensor_hooks(cpu_transport: CPUTestTransport, record_property: Record) 
     assert after["live_records"] == after["pool_in_use_bytes"] == 0
     report(
         record_property,
-        area="autograd",
-        case="tensor hooks",
-        checks="grad hooks on the leaf, an offloaded input, the output and inside the "
-        "checkpointed function (scaling grads), a post-accumulate-grad hook: same calls "
-        "and gradients as torch",
-        guarantees="parity,no-leak",
         steps=1,
         after=after,
         hook_calls=sum(calls.values()),
@@ -1004,11 +930,6 @@ def test_threads_with_autograd_grad_and_create_graph(
     assert_nothing_leaked()
     report(
         record_property,
-        area="autograd",
-        case="threads, autograd.grad with create_graph",
-        checks=f"{threads_count} threads x {steps} steps of second-order gradients on their "
-        "own models, each bitwise equal to torch",
-        guarantees="concurrency,parity,no-leak",
         steps=threads_count * steps,
         before=before,
         after=after,

@@ -1,7 +1,7 @@
 """Failure modes: in-place writes to saved inputs, threads, interrupts, and long runs (soak).
 
-Each test records what it checked and its numbers with ``record_property``, for
-``tools/reliability_report.py`` (``docs/reliability.md``); test_faults_and_inputs.py has the rest.
+Each test records its numbers with ``record_property`` (see _recording.py);
+test_faults_and_inputs.py has the rest.
 """
 
 from __future__ import annotations
@@ -27,17 +27,8 @@ import matepoint
 from matepoint.testing import CPUTestTransport, use_transport
 
 
-def _report(
-    record_property: Record, area: str, case: str, checks: str, guarantees: str, **numbers: object
-) -> None:
-    """Record a test's description and numbers (``steps``, ``faults_injected``, ``*_before``...).
-
-    See ``report`` in test_faults_and_inputs.py for what ``area`` and ``guarantees`` hold.
-    """
-    record_property("area", area)
-    record_property("case", case)
-    record_property("checks", checks)
-    record_property("guarantees", guarantees)
+def _report(record_property: Record, **numbers: object) -> None:
+    """Record a test's numbers (``steps``, ``faults_injected``, ``*_before``...) as data."""
     for name, value in numbers.items():
         record_property(name, value)
 
@@ -80,11 +71,6 @@ def test_inplace_while_original_is_held_raises(
     assert "[torch.FloatTensor [4, 16]]" in str(caught.value)  # names the tensor, as torch does
     _report(
         record_property,
-        "inputs",
-        "in-place write after forward (original still held)",
-        "backward raises InplaceModificationError (a RuntimeError worded as torch's, naming "
-        "type, shape and versions)",
-        "clear-errors,parity",
         faults_injected=1,
     )
 
@@ -99,10 +85,6 @@ def test_torch_raises_for_the_same_modification(record_property: Record) -> None
         y.sum().backward()
     _report(
         record_property,
-        "inputs",
-        "in-place write after forward: torch's own checkpoint",
-        "torch.utils.checkpoint raises RuntimeError for the same write (the contract kept)",
-        "parity",
         faults_injected=1,
     )
 
@@ -121,10 +103,6 @@ def test_inplace_after_release_raises(
             z.sum().backward()
     _report(
         record_property,
-        "inputs",
-        "in-place write after forward (original released)",
-        "the device original was let go after its copy; backward still raises",
-        "clear-errors,parity",
         faults_injected=1,
     )
 
@@ -155,10 +133,6 @@ def test_inplace_through_another_view_after_release_is_never_silently_wrong(
             torch.testing.assert_close(x.grad[:4], expected, rtol=0, atol=0)
     _report(
         record_property,
-        "inputs",
-        "in-place write through another view (original released)",
-        "raises, or serves the copy taken before the write: never a wrong gradient",
-        "clear-errors,parity",
         faults_injected=1,
         behaviour="raised" if error is not None else "served the pre-write copy",
     )
@@ -182,10 +156,6 @@ def test_inplace_racing_an_inflight_copy_raises_not_poison(
             y3.sum().backward()
     _report(
         record_property,
-        "inputs",
-        "in-place write racing an in-flight copy",
-        "the copy would read the new bytes (poison): backward raises, never NaN gradients",
-        "clear-errors",
         faults_injected=1,
     )
 
@@ -220,11 +190,6 @@ def test_threads_training_their_own_models(
     assert_nothing_leaked()
     _report(
         record_property,
-        "autograd",
-        f"threads training their own models ({completion} copies)",
-        "4 threads x 15 steps, 4 checkpoints each, one shared engine: every gradient bitwise "
-        "equal to torch",
-        "concurrency,parity,no-leak",
         steps=4 * 15,
         offloads=offloads,
         **_levels("after"),
@@ -268,10 +233,6 @@ def test_keyboard_interrupt_in_forward_leaves_nothing(
     assert_nothing_leaked()
     _report(
         record_property,
-        "faults",
-        "KeyboardInterrupt in forward",
-        "interrupt in the third of five checkpoints: nothing left alive; next step equals torch",
-        "recovery,no-leak",
         steps=3,
         faults_injected=1,
         **before,
@@ -311,10 +272,6 @@ def test_exception_in_recompute_leaves_nothing(
     assert_grads_equal(grads_of(model, x, mate_ckpt), reference)
     _report(
         record_property,
-        "faults",
-        "exception in recompute",
-        "the error propagates from backward; nothing left alive; next step equals torch",
-        "recovery,no-leak",
         steps=3,
         faults_injected=1,
         **before,
@@ -391,10 +348,6 @@ _SOAK_CHECKS = (
 def test_soak_short(fresh_stats: None, record_property: Record) -> None:
     _report(
         record_property,
-        "long runs",
-        "soak, short",
-        _SOAK_CHECKS,
-        "bounded,no-leak",
         **_soak(100, check_rss=False),
     )
 
@@ -403,9 +356,5 @@ def test_soak_short(fresh_stats: None, record_property: Record) -> None:
 def test_soak_long(fresh_stats: None, record_property: Record) -> None:
     _report(
         record_property,
-        "long runs",
-        "soak, long",
-        _SOAK_CHECKS + "; RSS grows less than 64 MiB after warm-up",
-        "bounded,no-leak",
         **_soak(1500, check_rss=True),
     )
