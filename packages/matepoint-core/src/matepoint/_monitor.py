@@ -55,7 +55,19 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
 
 
 def reset_stats() -> None:
-    """Set every counter back to zero (pool and live sizes are current values, not reset)."""
+    """Set every counter back to zero, for a fresh count over the next steps.
+
+    Resets the event counts of :class:`OffloadStats` (offloads, fetches, waits, dedupe and
+    prefetch hits, kept-in-place counts) and the pools' ``pool_blocks_allocated``,
+    ``pool_blocks_reused`` and ``pageable_fallbacks``. Sizes (``pool_pinned_bytes``,
+    ``pool_in_use_bytes``, ``live_records``, ``device_bytes_held``) are current values and stay.
+
+    Example:
+        >>> import matepoint
+        >>> matepoint.reset_stats()
+        >>> matepoint.stats().offloads
+        0
+    """
     kept_counters().reset()
     retired_counts().reset()
     for engine in all_engines():
@@ -66,6 +78,14 @@ def reset_stats() -> None:
 
 def report(*, synchronize: bool = False) -> str:
     """Return a short readable report of :func:`stats`.
+
+    Args:
+        synchronize: As in :func:`stats`: wait for outstanding timing events first.
+            Default: ``False``.
+
+    Returns:
+        A few aligned lines: what moved each way, what was served on the device, waits, the
+        pinned pool and what is alive now.
 
     Example:
         >>> import matepoint
@@ -81,7 +101,11 @@ def prefetch_now() -> None:
 
     matepoint prefetches during backward by itself; this only lets the first copies start
     earlier, e.g. while the loss is computed. It is what the 0.1.x ``matepoint_pipeline()``
-    call does now. Uses the process-wide ``prefetch`` look-ahead.
+    call does now. Uses the process-wide ``prefetch`` look-ahead; it never waits.
+
+    Example:
+        >>> import matepoint
+        >>> matepoint.prefetch_now()  # e.g. right after the forward, before the loss
     """
     options = get_options()
     for engine in all_engines():
@@ -91,7 +115,15 @@ def prefetch_now() -> None:
 def release_pool() -> int:
     """Free every idle pinned host block (e.g. between training and evaluation).
 
+    Blocks that hold inputs of graphs still alive stay. The memory goes back to torch's host
+    allocator, which from torch 2.13 on may keep it cached for its own later use.
+
     Returns:
         The bytes of pinned memory freed.
+
+    Example:
+        >>> import matepoint
+        >>> matepoint.release_pool() >= 0
+        True
     """
     return sum(engine.release_pool() for engine in all_engines())

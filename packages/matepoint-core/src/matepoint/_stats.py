@@ -77,8 +77,9 @@ class OffloadStats(_CounterFields):
         pool_blocks_reused: Acquisitions served by an idle block.
         pageable_fallbacks: Tensors stored in pageable memory because pinned memory was short.
         live_records: Offloaded tensors still referenced by some autograd graph.
-        device_bytes_held: Device bytes of originals matepoint still references (stash, copies
-            in flight).
+        device_bytes_held: Device bytes of originals matepoint still references: the stash, the
+            newest input, copies in flight, and originals referenced elsewhere whose copy is
+            still watched.
     """
 
     pool_pinned_bytes: int = 0

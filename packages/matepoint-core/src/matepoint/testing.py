@@ -30,7 +30,7 @@ import torch
 from matepoint._registry import set_transport, transport
 from matepoint._transport import Channel, Transport
 
-__all__ = ["CPUTestTransport", "CopyReadFreedMemory", "use_transport"]
+__all__ = ["POISON_BYTE", "CPUTestTransport", "CopyReadFreedMemory", "use_transport"]
 
 POISON_BYTE = 0xFF
 """Every byte of a copy's destination before the copy completes (NaN for floating dtypes)."""
@@ -210,7 +210,13 @@ class CPUTestTransport:
         pinned_limit_bytes: Simulated page-locked memory limit: allocating past it raises the
             RuntimeError a real out-of-memory would, to exercise the exhaustion policy.
 
+    Raises:
+        ValueError: For an unknown ``completion`` mode.
+
     Attributes:
+        completion: The completion mode.
+        pinned_limit_bytes: The simulated page-locked limit, or None.
+        host_buffers: Addresses of the simulated pinned blocks handed out.
         copies_out: Copies to the host queued so far.
         copies_in: Copies back queued so far.
         pinned_bytes: Simulated pinned bytes allocated so far (never decreases).
@@ -253,6 +259,10 @@ class CPUTestTransport:
 @contextlib.contextmanager
 def use_transport(new_transport: Transport) -> Iterator[Transport]:
     """Route every offload in this process through ``new_transport`` inside a ``with`` block.
+
+    The switch is process-wide (every thread's checkpoints use it), and the previous transport
+    comes back when the block ends, also when it raises. Engines of the transport left behind
+    are forgotten once they hold nothing, so it can be freed.
 
     Args:
         new_transport: A transport, usually a :class:`CPUTestTransport`.
