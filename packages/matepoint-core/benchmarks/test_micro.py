@@ -15,7 +15,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
-from matepoint._options import OffloadOptions
+from matepoint._options import OffloadSettings
 from matepoint._pool import PinnedPool
 from matepoint.testing import CPUTestTransport, use_transport
 
@@ -82,7 +82,7 @@ def test_per_call_cost_offloading(
 def test_pool_reuse(benchmark: Any, nbytes: int) -> None:
     transport = CPUTestTransport(completion="immediate")
     pool = PinnedPool(transport.channel(torch.empty(0)))
-    options = OffloadOptions()
+    options = OffloadSettings()
 
     def cycle() -> None:
         pool.give_back(pool.acquire(nbytes, options, on_side_stream=True))

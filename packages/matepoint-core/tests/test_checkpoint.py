@@ -677,12 +677,13 @@ def test_offload_false_is_plain_torch(
 def test_offload_options_per_call(
     cpu_transport: CPUTestTransport, pipeline: bool, use_reentrant: bool
 ) -> None:
-    per_call = matepoint.OffloadOptions(min_offload_bytes=0, prefetch=0, max_inflight_bytes=0)
-    mine = outcome(chain_step(5, p=0.2), ours(pipeline, use_reentrant, offload=per_call))
+    per_call = matepoint.OffloadOptions(min_offload_bytes=0)
+    with matepoint.options(prefetch=0, max_inflight_bytes=0):
+        mine = outcome(chain_step(5, p=0.2), ours(pipeline, use_reentrant, offload=per_call))
     stats = matepoint.stats()
     assert_same_outcome(mine, outcome(chain_step(5, p=0.2), theirs(use_reentrant)))
     assert_offloaded(stats, cpu_transport)
-    assert stats.prefetches == 0  # the call's prefetch=0 wins over the defaults' 2
+    assert stats.prefetches == 0  # the settings' prefetch=0 in force when the call ran
     assert stats.fetches > 0
 
     # Per-call options also win the other way: nothing is big enough to move.

@@ -212,8 +212,10 @@ def test_offload_false_and_per_call_options(
     assert matepoint.stats().offloads == 0
     assert cpu_transport.copies_out == 0
 
-    per_call = matepoint.OffloadOptions(min_offload_bytes=0, prefetch=0, max_inflight_bytes=0)
-    assert_same_outcome(outcome(step, ours(pipeline, use_reentrant, offload=per_call)), reference)
+    per_call = matepoint.OffloadOptions(min_offload_bytes=0)
+    with matepoint.options(prefetch=0, max_inflight_bytes=0):
+        mine = outcome(step, ours(pipeline, use_reentrant, offload=per_call))
+    assert_same_outcome(mine, reference)
     stats = matepoint.stats()
     assert stats.offloads == 3
     assert stats.prefetches == 0

@@ -14,6 +14,7 @@ import torch
 from _cuda_helpers import TOKENS, WIDTH, make_stack, run_blocks, torch_ckpt, train_step
 
 import matepoint
+from matepoint.testing import delay_side_stream
 
 pytestmark = pytest.mark.gpu
 
@@ -32,12 +33,12 @@ def test_gradients_bitwise_equal_to_torch_checkpoint(
     dtype: torch.dtype, pipeline: bool, prefetch: int
 ) -> None:
     reference = train_step(8, torch_ckpt, dtype)
-    options = matepoint.OffloadOptions(prefetch=prefetch)
 
     def mate(block: torch.nn.Module, x: torch.Tensor) -> Any:
-        return matepoint.checkpoint(block, x, pipeline=pipeline, offload=options)
+        return matepoint.checkpoint(block, x, pipeline=pipeline)
 
-    result = train_step(8, mate, dtype)
+    with matepoint.options(prefetch=prefetch):
+        result = train_step(8, mate, dtype)
     stats = matepoint.stats()
     assert stats.offloads >= 7
     assert stats.fetches >= 1
@@ -98,16 +99,14 @@ def test_pinned_host_memory_is_exact_size() -> None:
 @pytest.mark.parametrize("delay_cycles", [2_000_000, 20_000_000])
 def test_delayed_side_stream_keeps_gradients_exact(delay_cycles: int) -> None:
     reference = train_step(6, torch_ckpt)
+
     # No bytes in flight allowed: every original is released as soon as its delayed copy ends,
     # so backward must bring each input back through the delayed side stream.
-    options = matepoint.OffloadOptions(
-        side_stream_delay_cycles=delay_cycles, prefetch=2, max_inflight_bytes=0
-    )
-
     def mate(block: torch.nn.Module, x: torch.Tensor) -> Any:
-        return matepoint.checkpoint(block, x, offload=options)
+        return matepoint.checkpoint(block, x)
 
-    result = train_step(6, mate)
+    with delay_side_stream(delay_cycles), matepoint.options(prefetch=2, max_inflight_bytes=0):
+        result = train_step(6, mate)
     assert matepoint.stats().fetches >= 1
     assert all(torch.equal(a, b) for a, b in zip(reference, result, strict=True))
 
@@ -155,9 +154,10 @@ def test_inplace_modification_after_forward_raises() -> None:
 
 def test_compute_wait_is_measured_and_report_renders() -> None:
     def mate(block: torch.nn.Module, x: torch.Tensor) -> Any:
-        return matepoint.checkpoint(block, x, offload=matepoint.OffloadOptions(prefetch=0))
+        return matepoint.checkpoint(block, x)
 
-    train_step(8, mate)
+    with matepoint.options(prefetch=0):
+        train_step(8, mate)
     stats = matepoint.stats(synchronize=True)
     assert stats.compute_wait_seconds > 0
     assert "matepoint offload report" in matepoint.report()
@@ -190,11 +190,10 @@ def test_two_devices_in_one_process_use_their_own_channels() -> None:
     reference = step(torch_ckpt)
 
     def mate(block: torch.nn.Module, x: torch.Tensor) -> Any:
-        return matepoint.checkpoint(
-            block, x, offload=matepoint.OffloadOptions(prefetch=2, max_inflight_bytes=0)
-        )
+        return matepoint.checkpoint(block, x)
 
-    result = step(mate)
+    with matepoint.options(prefetch=2, max_inflight_bytes=0):
+        result = step(mate)
     names = {engine.name for engine in _registry.all_engines()}
     print(f"\n[gpu] engines after a two-device step: {sorted(names)}")
     assert {"('cuda', 0)", "('cuda', 1)"} <= names

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
+from matepoint.testing import delay_side_stream
 
 pytestmark = pytest.mark.gpu
 
@@ -291,21 +292,20 @@ def test_matches_torch_or_raises_and_leaks_nothing(
     kind: str, producer: str, delay: str, write: str
 ) -> None:
     spec = KINDS[kind]
-    options = matepoint.OffloadOptions(
-        min_offload_bytes=0,
-        stash_bytes=0,
-        max_inflight_bytes=0,
-        side_stream_delay_cycles=SIDE_DELAYS[delay],
-    )
+    everything = matepoint.OffloadOptions(min_offload_bytes=0)
 
     def reference(function: Callable[..., Any], *args: Any) -> Any:
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=False)
 
     def mine(function: Callable[..., Any], *args: Any) -> Any:
-        return matepoint.checkpoint(function, *args, offload=options)
+        return matepoint.checkpoint(function, *args, offload=everything)
 
     before = _levels()
-    got = _outcome(mine, spec, producer, write)
+    with (
+        delay_side_stream(SIDE_DELAYS[delay]),
+        matepoint.options(stash_bytes=0, max_inflight_bytes=0),
+    ):
+        got = _outcome(mine, spec, producer, write)
     expected = _outcome(reference, spec, producer, write)
     assert got[0] == expected[0], f"torch: {expected}; matepoint: {got}"
     if expected[0] == "raised":
@@ -332,7 +332,8 @@ def test_input_released_only_after_the_stream_that_reads_it(checkpoint_on: str) 
     user = torch.cuda.Stream()
     default = torch.cuda.current_stream()
     allocate_on, read_on = (user, default) if checkpoint_on == "default stream" else (default, user)
-    options = matepoint.OffloadOptions(min_offload_bytes=0, stash_bytes=0, max_inflight_bytes=0)
+    everything = matepoint.OffloadOptions(min_offload_bytes=0)
+    settings = matepoint.options(stash_bytes=0, max_inflight_bytes=0)
 
     def slow(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         torch.cuda._sleep(100_000_000)  # ~50 ms: the read comes long after the host moves on
@@ -347,9 +348,10 @@ def test_input_released_only_after_the_stream_that_reads_it(checkpoint_on: str) 
     read_on.wait_stream(allocate_on)
     with torch.cuda.stream(read_on):
         weight = torch.ones((), device="cuda", requires_grad=True)
-        h = matepoint.checkpoint(slow, value, weight, offload=options)
-        del value
-        h2 = matepoint.checkpoint(torch.cos, h * 1, offload=options)  # lets the first go
+        with settings:
+            h = matepoint.checkpoint(slow, value, weight, offload=everything)
+            del value
+            h2 = matepoint.checkpoint(torch.cos, h * 1, offload=everything)  # lets the first go
     with torch.cuda.stream(allocate_on):
         junk = [torch.full((ROWS, WIDTH), float("nan"), device="cuda") for _ in range(16)]
     del junk

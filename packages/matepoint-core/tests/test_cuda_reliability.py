@@ -88,12 +88,15 @@ def _equal(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
 
 
 def _mate(faulty: Faulty | None = None, **options: Any) -> Callable[..., Any]:
-    offload = matepoint.OffloadOptions(**options) if options else None
+    """A checkpoint function; ``min_offload_bytes`` is the call's, the rest settings in force."""
+    call = {name: options.pop(name) for name in list(options) if name == "min_offload_bytes"}
+    offload = matepoint.OffloadOptions(**call) if call else None
 
     def checkpoint_fn(block: torch.nn.Module, h: torch.Tensor) -> Any:
-        if faulty is None:
-            return matepoint.checkpoint(block, h, offload=offload)
-        return matepoint.checkpoint(faulty, block, h, offload=offload)
+        with matepoint.options(**options):
+            if faulty is None:
+                return matepoint.checkpoint(block, h, offload=offload)
+            return matepoint.checkpoint(faulty, block, h, offload=offload)
 
     return checkpoint_fn
 

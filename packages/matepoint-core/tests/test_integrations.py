@@ -128,7 +128,7 @@ def test_hf_gradients_match_transformers_checkpointing(
 
 def test_hf_layers_use_matepoint_with_the_given_options() -> None:
     model = _tiny_llama()
-    options = matepoint.OffloadOptions(prefetch=4)
+    options = matepoint.OffloadOptions(min_offload_bytes=0)
     mi.enable_hf_gradient_checkpointing(model, pipeline=False, offload=options)
     functions = [
         module._gradient_checkpointing_func

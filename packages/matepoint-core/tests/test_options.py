@@ -1,4 +1,9 @@
-"""Offload options: validation, process defaults, the options() context, per-call overrides."""
+"""Offload options and settings: validation, inheritance, the options() context, the old spellings.
+
+A call's :class:`matepoint.OffloadOptions` holds only what can differ per call; the device
+settings (:class:`matepoint.OffloadSettings`) are set with configure()/options(). See
+Note [Options and settings] in ``matepoint._options``.
+"""
 
 from __future__ import annotations
 
@@ -8,55 +13,73 @@ import pytest
 import torch
 
 import matepoint
-from matepoint.testing import CPUTestTransport
+from matepoint import _options
+from matepoint.testing import CPUTestTransport, delay_side_stream
+from matepoint_compat import MatepointDeprecationWarning
 
-INT_FIELDS = (
-    "min_offload_bytes",
-    "stash_bytes",
-    "prefetch",
-    "max_inflight_bytes",
-    "side_stream_delay_cycles",
-)
+COUNT_SETTINGS = ("min_offload_bytes", "stash_bytes", "prefetch", "max_inflight_bytes")
 
 
-def test_int_fields_reject_bad_values() -> None:
+def test_settings_reject_bad_counts() -> None:
     # One test, not a parametrization: the shared autouse fixture collects garbage per test.
-    for name in INT_FIELDS:
+    for name in COUNT_SETTINGS:
         for value in (-1, 1.5, "3", True, None):
             with pytest.raises(ValueError, match=name):
-                matepoint.OffloadOptions(**{name: value})  # type: ignore[arg-type]
+                matepoint.OffloadSettings(**{name: value})  # type: ignore[arg-type]
 
 
-def test_pool_cap_rejects_bad_values() -> None:
+def test_pool_cap_and_policy_are_checked() -> None:
     for value in (-1, 2.0, False, "1"):
         with pytest.raises(ValueError, match="pool_cap_bytes"):
-            matepoint.OffloadOptions(pool_cap_bytes=value)  # type: ignore[arg-type]
-
-
-def test_pool_exhausted_policy_is_checked() -> None:
+            matepoint.OffloadSettings(pool_cap_bytes=value)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="on_pool_exhausted"):
-        matepoint.OffloadOptions(on_pool_exhausted="wait")  # type: ignore[arg-type]
+        matepoint.OffloadSettings(on_pool_exhausted="wait")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pipeline"):
+        matepoint.OffloadSettings(pipeline=1)  # type: ignore[arg-type]
 
 
-def test_valid_values_are_accepted() -> None:
-    opts = matepoint.OffloadOptions(
-        min_offload_bytes=0,
-        stash_bytes=0,
-        prefetch=0,
-        max_inflight_bytes=0,
-        pool_cap_bytes=0,
-        on_pool_exhausted="raise",
-        measure_waits=False,
-        side_stream_delay_cycles=10,
-    )
-    assert opts.pool_cap_bytes == 0
-    assert matepoint.OffloadOptions(pool_cap_bytes=None).pool_cap_bytes is None
+def test_per_call_options_reject_bad_values() -> None:
+    for value in (-1, 1.5, "3", True):
+        with pytest.raises(ValueError, match="min_offload_bytes"):
+            matepoint.OffloadOptions(min_offload_bytes=value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="enabled"):
+        matepoint.OffloadOptions(enabled=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="prefech"):
+        matepoint.OffloadOptions(prefech=3)
+
+
+def test_settings_defaults_match_the_documentation() -> None:
+    settings = matepoint.OffloadSettings()
+    assert settings.min_offload_bytes == 1 << 20
+    assert settings.pipeline is True
+    assert settings.stash_bytes == 0
+    assert settings.prefetch == 2
+    assert settings.max_inflight_bytes == 2 << 30
+    assert settings.pool_cap_bytes is None
+    assert settings.on_pool_exhausted == "pageable"
+    assert settings.measure_waits is True
+    assert not hasattr(settings, "side_stream_delay_cycles")  # a test knob, in matepoint.testing
+
+
+def test_unset_per_call_fields_inherit_the_settings_in_force() -> None:
+    """OffloadOptions(min_offload_bytes=0) no longer resets a cap set through configure."""
+    call = matepoint.OffloadOptions(min_offload_bytes=0)
+    with matepoint.options(pool_cap_bytes=1234, prefetch=5):
+        resolved = _options.resolve(call)
+    assert resolved is not None
+    assert (resolved.pool_cap_bytes, resolved.prefetch, resolved.min_offload_bytes) == (1234, 5, 0)
+    with matepoint.options(min_offload_bytes=77, pipeline=False):
+        inherited = _options.resolve(matepoint.OffloadOptions())
+    assert inherited is not None
+    assert (inherited.min_offload_bytes, inherited.pipeline) == (77, False)
 
 
 def test_options_are_frozen() -> None:
     opts = matepoint.OffloadOptions()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        opts.prefetch = 3  # type: ignore[misc]
+        opts.min_offload_bytes = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        matepoint.get_options().prefetch = 3  # type: ignore[misc]
 
 
 def test_unknown_names_raise_type_error() -> None:
@@ -64,11 +87,9 @@ def test_unknown_names_raise_type_error() -> None:
         matepoint.configure(prefech=3)
     with pytest.raises(TypeError, match="prefech"), matepoint.options(prefech=3):
         pass
-    with pytest.raises(TypeError):
-        matepoint.OffloadOptions(prefech=3)  # type: ignore[call-arg]
 
 
-def test_bad_values_through_configure_and_options_leave_defaults_alone() -> None:
+def test_bad_values_through_configure_and_options_leave_settings_alone() -> None:
     before = matepoint.get_options()
     with pytest.raises(ValueError, match="prefetch"):
         matepoint.configure(prefetch=-1)
@@ -77,28 +98,23 @@ def test_bad_values_through_configure_and_options_leave_defaults_alone() -> None
     assert matepoint.get_options() is before
 
 
-def test_options_context_restores_defaults() -> None:
+def test_options_context_restores_settings() -> None:
     before = matepoint.get_options()
     with matepoint.options(prefetch=7, stash_bytes=123) as inside:
         assert matepoint.get_options() is inside
-        assert inside.prefetch == 7
-        assert inside.stash_bytes == 123
+        assert (inside.prefetch, inside.stash_bytes) == (7, 123)
         assert inside.min_offload_bytes == before.min_offload_bytes
         with matepoint.options(prefetch=1):
             assert matepoint.get_options().prefetch == 1
             assert matepoint.get_options().stash_bytes == 123
         assert matepoint.get_options().prefetch == 7
     assert matepoint.get_options() == before
-
-
-def test_options_context_restores_after_an_exception() -> None:
-    before = matepoint.get_options()
     with pytest.raises(KeyError), matepoint.options(prefetch=9):
         raise KeyError("x")
     assert matepoint.get_options() == before
 
 
-def test_configure_changes_the_defaults() -> None:
+def test_configure_changes_the_settings() -> None:
     before = matepoint.get_options()
     try:
         result = matepoint.configure(prefetch=5)
@@ -110,29 +126,33 @@ def test_configure_changes_the_defaults() -> None:
     assert matepoint.get_options() == before
 
 
-def test_defaults_match_the_documentation() -> None:
-    opts = matepoint.OffloadOptions()
-    assert opts.min_offload_bytes == 1 << 20
-    assert opts.stash_bytes == 0
-    assert opts.prefetch == 2
-    assert opts.max_inflight_bytes == 2 << 30
-    assert opts.pool_cap_bytes is None
-    assert opts.on_pool_exhausted == "pageable"
-
-
-def test_per_call_options_override_the_defaults(transport: CPUTestTransport) -> None:
+def test_per_call_options_override_the_settings(transport: CPUTestTransport) -> None:
     x = torch.randn(4, 16, requires_grad=True)
     strict = matepoint.OffloadOptions(min_offload_bytes=1 << 20)
-    y = matepoint.checkpoint(torch.sin, x * 1, offload=strict)  # the fixture's default offloads all
+    y = matepoint.checkpoint(torch.sin, x * 1, offload=strict)  # the fixture's setting moves all
     assert matepoint.stats().offloads == 0
     assert matepoint.stats().skipped_small == 1
     z = matepoint.checkpoint(torch.sin, y, offload=True)
     assert matepoint.stats().offloads == 1
-    z.sum().backward()
+    off = matepoint.checkpoint(torch.sin, z * 1, offload=matepoint.OffloadOptions(enabled=False))
+    assert matepoint.stats().offloads == 1
+    off.sum().backward()
+    torch.testing.assert_close(
+        x.grad, torch.cos(torch.sin(torch.sin(x))) * torch.cos(torch.sin(x)) * torch.cos(x)
+    )
+
+
+def test_a_call_can_choose_synchronous_copies(transport: CPUTestTransport) -> None:
+    """pipeline=False per call: the copy is done on return (no side-stream event)."""
+    x = torch.randn(4, 16, requires_grad=True)
+    y = matepoint.checkpoint(torch.sin, x * 1, offload=matepoint.OffloadOptions(pipeline=False))
+    assert transport.copies_out == 1
+    assert not transport._channel.side.pending  # nothing queued on the stand-in side stream
+    y.sum().backward()
 
 
 def test_options_are_resolved_when_the_checkpoint_is_taken(transport: CPUTestTransport) -> None:
-    # Changing the defaults between forward and backward does not change a taken checkpoint.
+    # Changing the settings between forward and backward does not change a taken checkpoint.
     x = torch.randn(4, 16, requires_grad=True)
     y = matepoint.checkpoint(torch.sin, x * 1)
     with matepoint.options(min_offload_bytes=1 << 30, on_pool_exhausted="raise", pool_cap_bytes=0):
@@ -145,3 +165,50 @@ def test_checkpoint_rejects_a_bad_offload_argument() -> None:
     for bad in (1, "yes", {"prefetch": 1}):
         with pytest.raises(TypeError, match="offload="):
             matepoint.checkpoint(torch.sin, x, offload=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"matepoint\.configure"):
+        matepoint.checkpoint(torch.sin, x, offload=matepoint.get_options())  # type: ignore[arg-type]
+
+
+def test_device_settings_per_call_still_work_with_a_warning(transport: CPUTestTransport) -> None:
+    """The 0.2.0 spelling OffloadOptions(prefetch=0, ...) applies to its call, and warns."""
+    with pytest.warns(MatepointDeprecationWarning, match="prefetch="):
+        old = matepoint.OffloadOptions(min_offload_bytes=0, prefetch=0, max_inflight_bytes=0)
+    resolved = _options.resolve(old)
+    assert resolved is not None
+    assert (resolved.prefetch, resolved.max_inflight_bytes) == (0, 0)
+    x = torch.randn(4, 16, requires_grad=True)
+    h = matepoint.checkpoint(torch.sin, x * 1, offload=old)
+    h = matepoint.checkpoint(torch.sin, h * 1, offload=old)
+    h.sum().backward()
+    assert matepoint.stats().prefetches == 0
+    with pytest.warns(MatepointDeprecationWarning):
+        matepoint.OffloadOptions(pool_cap_bytes=1)
+    with pytest.raises(ValueError, match="stash_bytes"):
+        matepoint.OffloadOptions(stash_bytes=-1)
+
+
+def test_side_stream_delay_is_a_test_knob() -> None:
+    with delay_side_stream(1000):
+        resolved = _options.resolve(None)
+        assert resolved is not None
+        assert resolved.side_stream_delay_cycles == 1000
+    resolved = _options.resolve(None)
+    assert resolved is not None
+    assert resolved.side_stream_delay_cycles == 0
+    with (
+        pytest.warns(MatepointDeprecationWarning, match="delay_side_stream"),
+        matepoint.options(side_stream_delay_cycles=5),
+    ):
+        assert _options.side_stream_delay() == 5
+    assert _options.side_stream_delay() == 0
+
+
+def test_resolution_is_reused_while_nothing_changes() -> None:
+    call = matepoint.OffloadOptions(min_offload_bytes=0)
+    first = _options.resolve(call)
+    assert _options.resolve(call) is first
+    with matepoint.options(prefetch=3):
+        changed = _options.resolve(call)
+        assert changed is not first
+        assert changed is not None
+        assert changed.prefetch == 3

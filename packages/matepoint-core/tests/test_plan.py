@@ -101,7 +101,7 @@ def test_matrix_products_count_one_cublas_workspace_per_thread() -> None:
 
 def test_stash_keeps_the_newest_inputs_on_the_device() -> None:
     depth, stashed = 8, 3
-    options = matepoint.OffloadOptions(stash_bytes=stashed * B, min_offload_bytes=0)
+    options = matepoint.OffloadSettings(stash_bytes=stashed * B, min_offload_bytes=0)
     mate = matepoint.plan(chain(depth), meta_input(), options=options)["matepoint"]
     assert mate.held_after_forward_bytes == (1 + stashed) * B + SCALAR
     assert mate.bytes_to_host == depth * B  # stashed inputs are still copied out
@@ -109,7 +109,7 @@ def test_stash_keeps_the_newest_inputs_on_the_device() -> None:
 
 
 def test_min_offload_bytes_keeps_small_inputs() -> None:
-    options = matepoint.OffloadOptions(min_offload_bytes=B + 1)
+    options = matepoint.OffloadSettings(min_offload_bytes=B + 1)
     plan = matepoint.plan(chain(5), meta_input(), options=options)
     assert plan["matepoint"].link_bytes == 0
     assert plan["matepoint"].held_after_forward_bytes == plan["torch"].held_after_forward_bytes
@@ -117,8 +117,9 @@ def test_min_offload_bytes_keeps_small_inputs() -> None:
 
 
 def test_per_call_options_are_used_without_override() -> None:
-    call_options = matepoint.OffloadOptions(stash_bytes=10 * B, min_offload_bytes=0)
-    plan = matepoint.plan(chain(4, offload=call_options), meta_input())
+    call_options = matepoint.OffloadOptions(min_offload_bytes=0)
+    with matepoint.options(stash_bytes=10 * B):
+        plan = matepoint.plan(chain(4, offload=call_options), meta_input())
     assert plan["matepoint"].bytes_to_device == 0  # everything stashed
     assert plan["matepoint"].held_after_forward_bytes == 3 * B + SCALAR
 
@@ -197,7 +198,7 @@ def test_parameters_and_cpu_tensors_stay() -> None:
         )
 
     x = torch.empty(64, 256, device="meta", requires_grad=True)
-    plan = matepoint.plan(model, x, options=matepoint.OffloadOptions(min_offload_bytes=0))
+    plan = matepoint.plan(model, x, options=matepoint.OffloadSettings(min_offload_bytes=0))
     assert [save.fate for save in plan.saves] == ["offloaded", "parameter", "other"]
     mate = plan["matepoint"]
     assert mate.parameter_bytes == 256 * 256 * 4
@@ -213,7 +214,7 @@ def test_module_with_real_parameters_is_refused_clearly() -> None:
 
 
 def test_pool_cap_spills_to_pageable() -> None:
-    options = matepoint.OffloadOptions(min_offload_bytes=0, pool_cap_bytes=2 * B)
+    options = matepoint.OffloadSettings(min_offload_bytes=0, pool_cap_bytes=2 * B)
     mate = matepoint.plan(chain(5), meta_input(), options=options)["matepoint"]
     assert mate.pinned_bytes == 2 * B
     assert mate.pageable_bytes == 3 * B
@@ -222,7 +223,7 @@ def test_pool_cap_spills_to_pageable() -> None:
     assert matepoint.plan(chain(5), meta_input(), options=raising)["matepoint"].pool_would_raise
 
 
-def dataclasses_replace(options: matepoint.OffloadOptions, **fields: Any) -> Any:
+def dataclasses_replace(options: matepoint.OffloadSettings, **fields: Any) -> Any:
     import dataclasses
 
     return dataclasses.replace(options, **fields)
@@ -305,7 +306,7 @@ COMPARED = (
 )
 def test_replay_matches_the_real_engine(fields: dict[str, int]) -> None:
     depth = 6
-    options = matepoint.OffloadOptions(**fields)
+    options = matepoint.OffloadSettings(**fields)
     gc.collect()
     with use_transport(CPUTestTransport(completion="immediate")), matepoint.options(**fields):
         matepoint.release_pool()
@@ -413,7 +414,7 @@ def test_recommend_stashes_as_much_as_fits() -> None:
 
 def test_recommend_trades_look_ahead_for_memory() -> None:
     base = matepoint.plan(chain(12), meta_input())
-    frugal = matepoint.OffloadOptions(min_offload_bytes=1, prefetch=0)
+    frugal = matepoint.OffloadSettings(min_offload_bytes=1, prefetch=0)
     without = matepoint.plan(chain(12), meta_input(), options=frugal)["matepoint"].peak_bytes
     assert without < base["matepoint"].peak_bytes  # two prefetched inputs cost memory
     advice = base.recommend(without)

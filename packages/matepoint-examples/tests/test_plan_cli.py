@@ -53,7 +53,7 @@ def test_largest_batch_is_the_largest_that_fits() -> None:
     import matepoint
 
     workload = get_workload("cpu-small").with_overrides(depth=4, width=64, batch=8, tokens=256)
-    frugal = matepoint.OffloadOptions(min_offload_bytes=1, prefetch=0)
+    frugal = matepoint.OffloadSettings(min_offload_bytes=1, prefetch=0)
     peaks = {
         batch: _planning.plan_workload(
             workload.with_overrides(batch=batch), frugal, strategies=("matepoint",)

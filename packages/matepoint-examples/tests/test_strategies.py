@@ -92,13 +92,14 @@ def test_matepoint_strategy_offloads_on_cpu(name: str) -> None:
     assert strategy.stats()["bytes_offloaded"] > 0
 
 
-def test_no_wait_timing_options_follow_the_defaults() -> None:
+def test_no_wait_timing_switches_timing_off_around_one_forward() -> None:
     import matepoint
-    from matepoint_examples.strategies import _NO_WAIT_TIMING
+    from matepoint_examples.strategies import get_strategy
 
-    first = _NO_WAIT_TIMING.get()
-    assert first.measure_waits is False
-    assert _NO_WAIT_TIMING.get() is first  # derived once, not per call
-    with matepoint.options(prefetch=5):
-        changed = _NO_WAIT_TIMING.get()
-        assert (changed.prefetch, changed.measure_waits) == (5, False)
+    strategy = get_strategy("matepoint-nowaittiming")
+    before = matepoint.get_options()
+    with strategy.forward_context():
+        inside = matepoint.get_options()
+        assert inside.measure_waits is False
+        assert inside.prefetch == before.prefetch  # every other setting as in force
+    assert matepoint.get_options() is before

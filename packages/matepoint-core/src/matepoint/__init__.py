@@ -14,7 +14,7 @@ from matepoint import _legacy
 from matepoint._checkpoint import checkpoint, checkpoint_sequential
 from matepoint._errors import InplaceModificationError, MatepointError, PinnedMemoryExhausted
 from matepoint._monitor import prefetch_now, release_pool, report, reset_stats, stats
-from matepoint._options import OffloadOptions, configure, get_options, options
+from matepoint._options import OffloadOptions, OffloadSettings, configure, get_options, options
 from matepoint._plan import MemoryPlan, Recommendation, StrategyPlan, TimelinePoint, plan
 from matepoint._stats import OffloadStats
 
@@ -32,6 +32,7 @@ __all__ = [
     "MatepointError",
     "MemoryPlan",
     "OffloadOptions",
+    "OffloadSettings",
     "OffloadStats",
     "PinnedMemoryExhausted",
     "Recommendation",

@@ -21,7 +21,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import matepoint_compat as compat
 from matepoint._legacy import pipeline_disabled as legacy_pipeline_disabled
-from matepoint._options import OffloadOptions, get_options
+from matepoint._options import OffloadOptions, OffloadSettings, ResolvedOptions, resolve
 from matepoint._saving import pack, unpack
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -39,23 +39,32 @@ _CHECKPOINT_OPTION_NAMES = frozenset(
 _SIMPLE_LEAF_TYPES = (torch.Tensor, int, float, bool, str, type(None))
 
 
-def _resolve_options(offload: OffloadOptions | bool | None) -> OffloadOptions | None:
+def _resolve_options(offload: OffloadOptions | bool | None) -> ResolvedOptions | None:
+    """The call's options over the settings in force; None when the call offloads nothing.
+
+    See Note [Options and settings] in ``matepoint._options``.
+    """
     if offload is None or offload is True:
-        return get_options()
+        return resolve(None)
     if offload is False:
         return None
     if isinstance(offload, OffloadOptions):
-        return offload
+        return resolve(offload)
     raise TypeError(
         "checkpoint() offload= must be an OffloadOptions, True, False or None, "
         f"got {type(offload).__name__}"
+        + (
+            "; device settings are set with matepoint.configure(...) or matepoint.options(...)"
+            if isinstance(offload, OffloadSettings)
+            else ""
+        )
     )
 
 
 class _OffloadHooks(saved_tensors_hooks):
     """matepoint's outer hooks for one checkpoint call, carrying that call's options."""
 
-    def __init__(self, options: OffloadOptions, pipelined: bool) -> None:
+    def __init__(self, options: ResolvedOptions, pipelined: bool) -> None:
         def pack_hook(tensor: torch.Tensor) -> Any:
             return pack(tensor, options, pipelined)
 
@@ -172,8 +181,9 @@ def checkpoint(
         pipeline: Copy on a side stream overlapping compute (``True``) or synchronously on the
             compute stream (``False``, for debugging and comparison; no prefetch). The 0.1.x
             ``matepoint.NOPIPELINE = True`` has the effect of ``False``. Default: ``True``.
-        offload: :class:`OffloadOptions` for this call, ``None`` or ``True`` for the process
-            defaults (:func:`matepoint.configure`), or ``False`` to offload nothing (plain torch
+        offload: :class:`OffloadOptions` for this call (on or off, pipelined, minimum size; the
+            rest comes from the settings set with :func:`matepoint.configure`), ``None`` or
+            ``True`` for the settings alone, or ``False`` to offload nothing (plain torch
             checkpoint). Default: ``None``.
         **kwargs: torch's checkpoint options (``preserve_rng_state``, ``context_fn``,
             ``determinism_check``, ``debug``, ``early_stop``, ``respect_saved_tensors_hooks``),
@@ -207,9 +217,9 @@ def checkpoint(
         >>> x = torch.randn(8, 64, requires_grad=True)
         >>> y = checkpoint(block, x)
         >>> y.sum().backward()
-        >>> fast_link = matepoint.OffloadOptions(prefetch=4)
-        >>> y = checkpoint(block, x, offload=fast_link)  # options for this call only
-        >>> @checkpoint(offload=fast_link)
+        >>> everything = matepoint.OffloadOptions(min_offload_bytes=0)
+        >>> y = checkpoint(block, x, offload=everything)  # options for this call only
+        >>> @checkpoint(offload=everything)
         ... def mlp(h, scale=1.0):
         ...     return block(h) * scale
         >>> y = mlp(x, scale=2.0)
@@ -242,7 +252,7 @@ def checkpoint(
                 **checkpoint_options,
                 **function_kwargs,
             )
-    pipelined = pipeline and not legacy_pipeline_disabled()
+    pipelined = pipeline and options.pipeline and not legacy_pipeline_disabled()
     call_function, call_args = function, args
     if not reentrant and _needs_flattening(args, function_kwargs):
         call_function, call_args = _flattened_call(function, args, function_kwargs)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import matepoint_compat as compat
-from matepoint._options import OffloadOptions
+from matepoint._options import ResolvedOptions
 from matepoint._pool import PinnedPool
 from matepoint._records import Record, inplace_error
 from matepoint._stats import Counters
@@ -57,7 +57,7 @@ class ChannelEngine:
 
     # -- forward ---------------------------------------------------------------------------
 
-    def offload(self, tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Record:
+    def offload(self, tensor: torch.Tensor, options: ResolvedOptions, pipelined: bool) -> Record:
         """Start moving ``tensor`` to the host and return its record (or a shared one)."""
         with self.lock:
             self._settle_graveyard()
@@ -115,7 +115,7 @@ class ChannelEngine:
             self.counters.bytes_offloaded += nbytes
             return record
 
-    def _release_held(self, options: OffloadOptions) -> None:
+    def _release_held(self, options: ResolvedOptions) -> None:
         """Let go of device originals, keeping the newest ``stash_bytes`` of them.
 
         An original whose copy has finished is dropped after a last version check. One whose
@@ -174,7 +174,7 @@ class ChannelEngine:
             _, nbytes = self._in_flight.popleft()
             self._in_flight_bytes -= nbytes
 
-    def _throttle(self, options: OffloadOptions) -> None:
+    def _throttle(self, options: ResolvedOptions) -> None:
         while self._in_flight_bytes > options.max_inflight_bytes and self._in_flight:
             event, nbytes = self._in_flight.popleft()
             self._in_flight_bytes -= nbytes
@@ -213,7 +213,7 @@ class ChannelEngine:
 
     # -- backward --------------------------------------------------------------------------
 
-    def restore(self, record: Record, options: OffloadOptions) -> torch.Tensor:
+    def restore(self, record: Record, options: ResolvedOptions) -> torch.Tensor:
         """Return a device tensor with the record's contents for the computation now running."""
         with self.lock:
             self._settle_graveyard()
@@ -260,14 +260,14 @@ class ChannelEngine:
                 self._prefetch_before(record, options)
             return result
 
-    def _wait(self, event: Any, options: OffloadOptions) -> None:
+    def _wait(self, event: Any, options: ResolvedOptions) -> None:
         token = self.channel.wait(event, options.measure_waits)
         if token is not None:
             self._timings.append(token)
             if len(self._timings) > _TIMING_BACKLOG:
                 self._resolve_timings(block=True, limit=len(self._timings) - _TIMING_BACKLOG)
 
-    def _prefetch_before(self, record: Record, options: OffloadOptions) -> None:
+    def _prefetch_before(self, record: Record, options: ResolvedOptions) -> None:
         """Start copying back what backward needs next: shared records first, then look-ahead."""
         index = bisect.bisect_left(self._order, record.sequence)
         if self._shared:
@@ -279,7 +279,9 @@ class ChannelEngine:
             return
         self._prefetch_scan(index - 1, record.unpacks // record.packs, options)
 
-    def _prefetch_shared(self, window_start: int, current: Record, options: OffloadOptions) -> None:
+    def _prefetch_shared(
+        self, window_start: int, current: Record, options: ResolvedOptions
+    ) -> None:
         """Prefetch shared records whose first use in this backward pass is close.
 
         See Note [Shared records]. A record several checkpoints share (the embedding every block
@@ -305,13 +307,13 @@ class ChannelEngine:
                 break
         self._shared = alive
 
-    def prefetch_newest(self, options: OffloadOptions) -> None:
+    def prefetch_newest(self, options: ResolvedOptions) -> None:
         """Start copying back the newest records not yet unpacked (what backward needs first)."""
         with self.lock:
             self._settle_graveyard()
             self._prefetch_scan(len(self._order) - 1, 1, options)
 
-    def _prefetch_scan(self, position: int, unpacks_below: int, options: OffloadOptions) -> None:
+    def _prefetch_scan(self, position: int, unpacks_below: int, options: ResolvedOptions) -> None:
         """Prefetch up to ``options.prefetch`` records at or before ``position`` in pack order.
 
         Only records unpacked fewer than ``unpacks_below`` times count: in a second backward
@@ -330,7 +332,7 @@ class ChannelEngine:
             if candidate.fetched is None and not self._start_prefetch(candidate, options):
                 return
 
-    def _start_prefetch(self, candidate: Record, options: OffloadOptions) -> bool:
+    def _start_prefetch(self, candidate: Record, options: ResolvedOptions) -> bool:
         """Copy ``candidate`` back ahead of need unless it is on the device already.
 
         Returns False when device memory is short (stop prefetching; fetch on demand).

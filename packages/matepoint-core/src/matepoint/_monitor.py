@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from matepoint._options import get_options
+from matepoint._options import resolve
 from matepoint._registry import all_engines, retired_counts
 from matepoint._saving import kept_counters
 from matepoint._stats import Counters, OffloadStats, format_report
@@ -107,7 +107,9 @@ def prefetch_now() -> None:
         >>> import matepoint
         >>> matepoint.prefetch_now()  # e.g. right after the forward, before the loss
     """
-    options = get_options()
+    options = resolve(None)
+    if options is None:
+        return
     for engine in all_engines():
         engine.prefetch_newest(options)
 

@@ -1,7 +1,14 @@
-"""Offload options: per-call values over process-wide defaults.
+"""Offload options: what a call may choose, over settings that belong to each device.
 
-A checkpoint call resolves its options once; the engine reads only the resolved, frozen object,
-so changing the defaults mid-step never changes a checkpoint already taken.
+Note [Options and settings]
+    A checkpoint call chooses only what can differ from one call to the next
+    (:class:`OffloadOptions`: on or off, pipelined or not, the minimum size to move). Everything
+    that shapes a device's shared resources (the pinned pool's cap and policy, the stash, the
+    in-flight bound, the look-ahead, wait timing) is set in one place, :func:`configure` or
+    :func:`options`, as :class:`OffloadSettings`, and applies to every call alike. A call's
+    unset fields take the settings in force when it runs. The call resolves both once, into a
+    frozen :class:`ResolvedOptions`, which governs that call's forward and its backward, so
+    changing the settings mid-step never changes a checkpoint already taken.
 """
 
 from __future__ import annotations
@@ -12,122 +19,235 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Literal
 
-__all__ = ["OffloadOptions", "configure", "get_options", "options"]
+from matepoint_compat import warn_deprecated
+
+__all__ = [
+    "OffloadOptions",
+    "OffloadSettings",
+    "ResolvedOptions",
+    "configure",
+    "get_options",
+    "options",
+    "resolve",
+    "set_side_stream_delay",
+    "side_stream_delay",
+]
 
 PoolExhaustedPolicy = Literal["pageable", "raise"]
 
 _MIB = 1 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class OffloadOptions:
-    """How matepoint treats a checkpoint's saved inputs.
+def _check_count(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner}.{name} must be an int >= 0, got {value!r}")
 
-    A frozen dataclass: build a new one (or use ``dataclasses.replace``) rather than changing
-    one. A checkpoint call resolves its options once, and the same object governs that call's
-    backward, so changing the defaults mid-step never changes a checkpoint already taken.
+
+@dataclasses.dataclass(frozen=True)
+class OffloadSettings:
+    """The process-wide offload settings: defaults for every call, and each device's resources.
+
+    Set them with :func:`matepoint.configure` (or :func:`matepoint.options` for a ``with``
+    block); read them with :func:`matepoint.get_options`. See Note [Options and settings].
 
     Args:
         min_offload_bytes: Tensors smaller than this stay on the device; copying them costs more
-            than it saves. Default: ``1 MiB``.
+            than it saves. A call may choose its own (:class:`OffloadOptions`). Default: ``1 MiB``.
+        pipeline: Copy on a side stream overlapping compute (``True``) or synchronously on the
+            compute stream. A call may choose its own. Default: ``True``.
         stash_bytes: Device bytes of the most recent checkpoint inputs kept on the device instead
             of being released after their copy (the "tail" that backward needs first). Raising it
             saves a round trip at the start of backward and costs that much device memory held
             after forward. Default: ``0``.
         prefetch: How many earlier checkpoint inputs to start copying back when backward reaches
             one (look-ahead). ``0`` fetches each on demand. Default: ``2``.
-        max_inflight_bytes: Device bytes whose copy to the host may still be running (originals
-            handed to the allocator, and watched originals beyond ``stash_bytes``). When
+        max_inflight_bytes: Device bytes whose copy to the host may still be running. When
             compute outruns the link, the host waits for the oldest copy so that device memory
             stays bounded. Default: ``2 GiB``.
         pool_cap_bytes: Most pinned host memory the pool of one device may hold; ``None`` means
             no cap. Default: ``None``.
         on_pool_exhausted: What to do when the cap is reached or pinned allocation fails:
             ``"pageable"`` uses ordinary host memory for that tensor (slower copies, one
-            ``ResourceWarning``);
-            ``"raise"`` raises :class:`matepoint.PinnedMemoryExhausted`. Default: ``"pageable"``.
+            ``ResourceWarning``); ``"raise"`` raises :class:`matepoint.PinnedMemoryExhausted`.
+            Default: ``"pageable"``.
         measure_waits: Record device events around each wait of the compute stream, to report the
             time it waited for copies back (``compute_wait_seconds``). Default: ``True``.
-        side_stream_delay_cycles: Debug knob: busy-wait this many GPU cycles on the side stream
-            before each copy, to make missing stream ordering show up as wrong numbers in tests.
-            Default: ``0``.
 
     Raises:
-        ValueError: If an ``int`` field is not an ``int >= 0`` (a ``bool`` is refused), if
-            ``pool_cap_bytes`` is neither ``None`` nor an ``int >= 0``, or if
-            ``on_pool_exhausted`` is not ``"pageable"`` or ``"raise"``.
+        ValueError: If a count is not an ``int >= 0`` (a ``bool`` is refused), if
+            ``pool_cap_bytes`` is neither ``None`` nor such an int, or if ``on_pool_exhausted``
+            is not ``"pageable"`` or ``"raise"``.
 
     Example:
-        >>> import torch, matepoint
-        >>> opts = matepoint.OffloadOptions(prefetch=4, stash_bytes=256 << 20)
-        >>> x = torch.randn(8, 64, requires_grad=True)
-        >>> y = matepoint.checkpoint(torch.sin, x, offload=opts)
+        >>> import matepoint
+        >>> matepoint.get_options().prefetch
+        2
     """
 
     min_offload_bytes: int = 1 * _MIB
+    pipeline: bool = True
     stash_bytes: int = 0
     prefetch: int = 2
     max_inflight_bytes: int = 2048 * _MIB
     pool_cap_bytes: int | None = None
     on_pool_exhausted: PoolExhaustedPolicy = "pageable"
     measure_waits: bool = True
-    side_stream_delay_cycles: int = 0
 
     def __post_init__(self) -> None:
-        for name in (
-            "min_offload_bytes",
-            "stash_bytes",
-            "prefetch",
-            "max_inflight_bytes",
-            "side_stream_delay_cycles",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"OffloadOptions.{name} must be an int >= 0, got {value!r}")
+        owner = type(self).__name__
+        for name in ("min_offload_bytes", "stash_bytes", "prefetch", "max_inflight_bytes"):
+            _check_count(owner, name, getattr(self, name))
         cap: object = self.pool_cap_bytes
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise ValueError(
-                f"OffloadOptions.pool_cap_bytes must be None or an int >= 0, got {cap!r}"
-            )
+        if cap is not None:
+            _check_count(owner, "pool_cap_bytes", cap)
         if self.on_pool_exhausted not in ("pageable", "raise"):
             raise ValueError(
-                "OffloadOptions.on_pool_exhausted must be 'pageable' or 'raise', "
+                f"{owner}.on_pool_exhausted must be 'pageable' or 'raise', "
                 f"got {self.on_pool_exhausted!r}"
             )
+        flags: tuple[object, ...] = (self.pipeline, self.measure_waits)
+        if not all(isinstance(flag, bool) for flag in flags):
+            raise ValueError(f"{owner}.pipeline and .measure_waits must be bool")
 
 
-_FIELDS = frozenset(field.name for field in dataclasses.fields(OffloadOptions))
+@dataclasses.dataclass(frozen=True)
+class ResolvedOptions(OffloadSettings):
+    """What one checkpoint call runs with: the settings, its own choices, the test delay."""
+
+    side_stream_delay_cycles: int = 0
+
+
+_SETTING_FIELDS = frozenset(field.name for field in dataclasses.fields(OffloadSettings))
+_DEVICE_FIELDS = _SETTING_FIELDS - {"min_offload_bytes", "pipeline"}
+_DELAY = "side_stream_delay_cycles"
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class OffloadOptions:
+    """What one checkpoint call chooses for itself; unset fields take the settings in force.
+
+    Pass it as ``matepoint.checkpoint(..., offload=OffloadOptions(...))``. Only what can differ
+    from call to call is here; the device's resources (pool, stash, in-flight bound,
+    look-ahead) are :class:`OffloadSettings`, set with :func:`matepoint.configure`. See
+    Note [Options and settings].
+
+    Args:
+        enabled: ``False`` offloads nothing: the call is torch's checkpoint. Default: ``True``.
+        pipeline: Copy on the side stream (``True``) or synchronously (``False``); ``None``
+            takes the settings' ``pipeline``. Default: ``None``.
+        min_offload_bytes: Tensors smaller than this stay on the device; ``None`` takes the
+            settings' ``min_offload_bytes``. Default: ``None``.
+        **deprecated: The device settings that 0.2.0 accepted per call (``stash_bytes``,
+            ``prefetch``, ``max_inflight_bytes``, ``pool_cap_bytes``, ``on_pool_exhausted``,
+            ``measure_waits``, ``side_stream_delay_cycles``). They still apply to the calls that
+            carry them, with a deprecation warning: per call they also act on the device's
+            other records and its shared pool.
+
+    Raises:
+        TypeError: For a name that is neither an option nor a deprecated setting.
+        ValueError: For a value out of range.
+
+    Example:
+        >>> import torch, matepoint
+        >>> everything = matepoint.OffloadOptions(min_offload_bytes=0)
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> y = matepoint.checkpoint(torch.sin, x, offload=everything)
+    """
+
+    enabled: bool
+    pipeline: bool | None
+    min_offload_bytes: int | None
+    deprecated_settings: tuple[tuple[str, Any], ...] = dataclasses.field(repr=False)
+
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        pipeline: bool | None = None,
+        min_offload_bytes: int | None = None,
+        **deprecated: Any,
+    ) -> None:
+        unknown = sorted(set(deprecated) - _DEVICE_FIELDS - {_DELAY})
+        if unknown:
+            raise TypeError(
+                f"unknown offload option(s) {', '.join(unknown)}; valid: enabled, pipeline, "
+                "min_offload_bytes (device settings go to matepoint.configure: "
+                f"{', '.join(sorted(_DEVICE_FIELDS))})"
+            )
+        if min_offload_bytes is not None:
+            _check_count("OffloadOptions", "min_offload_bytes", min_offload_bytes)
+        flags: tuple[object, ...] = (enabled, True if pipeline is None else pipeline)
+        if not all(isinstance(flag, bool) for flag in flags):
+            raise ValueError("OffloadOptions.enabled must be bool, .pipeline bool or None")
+        if deprecated:
+            # Validate through the settings' own checks, with the settings' defaults elsewhere.
+            ResolvedOptions(**deprecated)
+            names = ", ".join(f"`{name}=`" for name in sorted(deprecated))
+            warn_deprecated(
+                f"{names} in `matepoint.OffloadOptions`",
+                replacement=(
+                    "set device settings once with `matepoint.configure(...)` or inside "
+                    "`with matepoint.options(...)`; the test delay is "
+                    "`matepoint.testing.delay_side_stream`"
+                ),
+            )
+        object.__setattr__(self, "enabled", enabled)
+        object.__setattr__(self, "pipeline", pipeline)
+        object.__setattr__(self, "min_offload_bytes", min_offload_bytes)
+        object.__setattr__(self, "deprecated_settings", tuple(sorted(deprecated.items())))
+
+
 _lock = threading.Lock()
-_defaults = OffloadOptions()
+_defaults = OffloadSettings()
+_side_stream_delay = 0
+# The last resolution, reused while neither the settings nor the call's options change (both are
+# frozen and held here, so identity is a safe key). See resolve().
+_last: tuple[OffloadSettings, OffloadOptions | None, int, ResolvedOptions] | None = None
 
 
-def _checked(fields: dict[str, Any]) -> None:
-    unknown = sorted(set(fields) - _FIELDS)
+def _checked(fields: dict[str, Any]) -> dict[str, Any]:
+    """Return ``fields`` without the deprecated test delay (applied here); refuse unknown names."""
+    if _DELAY in fields:
+        fields = dict(fields)
+        cycles = fields.pop(_DELAY)
+        warn_deprecated(
+            f"`{_DELAY}=` in `matepoint.configure`/`matepoint.options`",
+            replacement="use `matepoint.testing.delay_side_stream(cycles)`",
+            stacklevel=4,
+        )
+        _check_count("settings", _DELAY, cycles)
+        set_side_stream_delay(cycles)
+    unknown = sorted(set(fields) - _SETTING_FIELDS)
     if unknown:
         raise TypeError(
-            f"unknown offload option(s) {', '.join(unknown)}; valid: {', '.join(sorted(_FIELDS))}"
+            f"unknown offload setting(s) {', '.join(unknown)}; "
+            f"valid: {', '.join(sorted(_SETTING_FIELDS))}"
         )
+    return fields
 
 
-def get_options() -> OffloadOptions:
-    """Return the process-wide default offload options (see :func:`configure`)."""
+def get_options() -> OffloadSettings:
+    """Return the process-wide offload settings (see :func:`configure`).
+
+    Example:
+        >>> import matepoint
+        >>> matepoint.get_options().min_offload_bytes
+        1048576
+    """
     return _defaults
 
 
-def configure(**fields: Any) -> OffloadOptions:
-    """Change the process-wide default offload options.
-
-    Every checkpoint call without an ``offload=`` argument uses these defaults. Fields not named
-    keep their current value.
+def configure(**fields: Any) -> OffloadSettings:
+    """Change the process-wide offload settings; fields not named keep their value.
 
     Args:
-        **fields: Any fields of :class:`OffloadOptions`.
+        **fields: Any fields of :class:`OffloadSettings`.
 
     Returns:
-        The new defaults.
+        The new settings.
 
     Raises:
-        TypeError: For a name that is not an option (the message lists the valid ones).
+        TypeError: For a name that is not a setting (the message lists the valid ones).
         ValueError: For a value out of range.
 
     Example:
@@ -136,29 +256,28 @@ def configure(**fields: Any) -> OffloadOptions:
         >>> _ = matepoint.configure(prefetch=2)
     """
     global _defaults
-    _checked(fields)
+    fields = _checked(fields)
     with _lock:
         _defaults = dataclasses.replace(_defaults, **fields)
         return _defaults
 
 
 @contextlib.contextmanager
-def options(**fields: Any) -> Iterator[OffloadOptions]:
-    """Change the process-wide defaults inside a ``with`` block, restoring them after.
+def options(**fields: Any) -> Iterator[OffloadSettings]:
+    """Change the process-wide settings inside a ``with`` block, restoring them after.
 
-    They are restored also when the block raises. The defaults are process-wide, not per thread:
-    other threads see the change while the block runs; pass ``offload=`` to a call for options
-    that must apply to one thread only. Each checkpoint call resolves its options in forward, so
-    a backward after the block still uses the options its forward saw.
+    They are restored also when the block raises. The settings are process-wide, not per
+    thread: other threads see the change while the block runs. Each checkpoint call resolves
+    its options in forward, so a backward after the block still uses what its forward saw.
 
     Args:
-        **fields: Any fields of :class:`OffloadOptions`.
+        **fields: Any fields of :class:`OffloadSettings`.
 
     Yields:
-        The defaults in force inside the block.
+        The settings in force inside the block.
 
     Raises:
-        TypeError: For a name that is not an option.
+        TypeError: For a name that is not a setting.
         ValueError: For a value out of range.
 
     Example:
@@ -169,7 +288,8 @@ def options(**fields: Any) -> Iterator[OffloadOptions]:
         >>> loss.backward()
     """
     global _defaults
-    _checked(fields)
+    previous_delay = _side_stream_delay
+    fields = _checked(fields)
     with _lock:
         previous = _defaults
         _defaults = dataclasses.replace(previous, **fields)
@@ -179,3 +299,43 @@ def options(**fields: Any) -> Iterator[OffloadOptions]:
     finally:
         with _lock:
             _defaults = previous
+        set_side_stream_delay(previous_delay)
+
+
+def side_stream_delay() -> int:
+    """Return the test delay, in GPU cycles, queued on the side stream before each copy."""
+    return _side_stream_delay
+
+
+def set_side_stream_delay(cycles: int) -> None:
+    """Set the test delay (``matepoint.testing.delay_side_stream`` is the public way)."""
+    global _side_stream_delay
+    _check_count("delay_side_stream", "cycles", cycles)
+    _side_stream_delay = cycles
+
+
+def resolve(call: OffloadOptions | None) -> ResolvedOptions | None:
+    """Combine the settings in force with a call's options; None when the call offloads nothing.
+
+    A training loop makes the same call many times, so the last result is reused as long as the
+    settings, the call's options and the test delay are the same objects and value.
+    """
+    global _last
+    settings = _defaults
+    delay = _side_stream_delay
+    last = _last
+    if last is not None and last[0] is settings and last[1] is call and last[2] == delay:
+        return last[3]
+    if call is not None and not call.enabled:
+        return None
+    fields = dataclasses.asdict(settings)
+    fields[_DELAY] = delay
+    if call is not None:
+        fields.update(call.deprecated_settings)
+        if call.pipeline is not None:
+            fields["pipeline"] = call.pipeline
+        if call.min_offload_bytes is not None:
+            fields["min_offload_bytes"] = call.min_offload_bytes
+    resolved = ResolvedOptions(**fields)
+    _last = (settings, call, delay, resolved)
+    return resolved

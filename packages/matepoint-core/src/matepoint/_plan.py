@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from matepoint._options import OffloadOptions, get_options
+from matepoint._options import OffloadSettings, get_options
 from matepoint._plan_engine import Strategy
 from matepoint._plan_recommend import Recommendation, recommend
 from matepoint._plan_rules import SavedInput
@@ -199,11 +199,11 @@ class MemoryPlan:
     """
 
     strategies: dict[str, StrategyPlan]
-    options: OffloadOptions | None
+    options: OffloadSettings | None
     link_bandwidth: float
     peak_flops: float
     saves: tuple[SavedInput, ...]
-    replan: Callable[[OffloadOptions], tuple[StrategyPlan, tuple[SavedInput, ...]]] = (
+    replan: Callable[[OffloadSettings], tuple[StrategyPlan, tuple[SavedInput, ...]]] = (
         dataclasses.field(repr=False, compare=False)
     )
 
@@ -211,7 +211,7 @@ class MemoryPlan:
         return self.strategies[strategy]
 
     @property
-    def effective_options(self) -> OffloadOptions:
+    def effective_options(self) -> OffloadSettings:
         """The options of the matepoint strategy, or the process defaults it used."""
         return self.options if self.options is not None else get_options()
 
@@ -308,7 +308,7 @@ def plan(
     fn: Callable[..., Any],
     *example_args: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    options: OffloadOptions | None = None,
+    options: OffloadSettings | None = None,
     link_bandwidth: float = DEFAULT_LINK_BANDWIDTH,
     peak_flops: float = DEFAULT_PEAK_FLOPS,
     strategies: tuple[str, ...] = STRATEGIES,
@@ -366,7 +366,7 @@ def plan(
         128
     """
 
-    def replan(with_options: OffloadOptions) -> tuple[StrategyPlan, tuple[SavedInput, ...]]:
+    def replan(with_options: OffloadSettings) -> tuple[StrategyPlan, tuple[SavedInput, ...]]:
         record = run_step(
             fn,
             example_args,

@@ -28,7 +28,7 @@ from typing import Any, Literal, cast
 import torch
 
 import matepoint_compat as compat
-from matepoint._options import OffloadOptions
+from matepoint._options import OffloadSettings
 from matepoint._plan_rules import Fate, SavedInput, SizeOnlyChannel, is_dense, stays_on_device
 from matepoint._plan_trace import MemoryTracker
 from matepoint._pool import HostBlock, PinnedPool
@@ -128,7 +128,7 @@ class SimEngine:
 
     # -- forward ---------------------------------------------------------------------------
 
-    def _keep_reason(self, tensor: torch.Tensor, options: OffloadOptions) -> Fate | None:
+    def _keep_reason(self, tensor: torch.Tensor, options: OffloadSettings) -> Fate | None:
         """Mirror ``matepoint._saving.pack``: why a saved tensor stays where it is, or None."""
         if type(tensor) is not torch.Tensor:
             if isinstance(tensor, torch.nn.Parameter):
@@ -152,7 +152,7 @@ class SimEngine:
             return "other"
         return None
 
-    def pack(self, tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Any:
+    def pack(self, tensor: torch.Tensor, options: OffloadSettings, pipelined: bool) -> Any:
         """Return what autograd keeps for a saved checkpoint input under this strategy."""
         if self.strategy != "matepoint":
             return tensor
@@ -201,7 +201,7 @@ class SimEngine:
             SavedInput(len(self.saves), nbytes, tuple(tensor.shape), str(tensor.dtype), fate)
         )
 
-    def _acquire(self, nbytes: int, options: OffloadOptions, pipelined: bool) -> HostBlock:
+    def _acquire(self, nbytes: int, options: OffloadSettings, pipelined: bool) -> HostBlock:
         if options.on_pool_exhausted == "raise":
             options = dataclasses.replace(options, on_pool_exhausted="pageable")
             raising = True
@@ -216,7 +216,7 @@ class SimEngine:
         self._host_changed()
         return block
 
-    def _release_held(self, options: OffloadOptions) -> None:
+    def _release_held(self, options: OffloadSettings) -> None:
         """Mirror ``ChannelEngine._release_held`` with every copy already finished."""
         alive = [
             record
@@ -241,7 +241,7 @@ class SimEngine:
 
     # -- backward --------------------------------------------------------------------------
 
-    def unpack(self, record: SimRecord, options: OffloadOptions) -> torch.Tensor:
+    def unpack(self, record: SimRecord, options: OffloadSettings) -> torch.Tensor:
         """Mirror ``ChannelEngine.restore``: serve from the device, a prefetch, or a fetch."""
         self._settle()
         record.unpacks += 1
@@ -268,7 +268,7 @@ class SimEngine:
             self._prefetch_before(record, options)
         return result
 
-    def _prefetch_before(self, record: SimRecord, options: OffloadOptions) -> None:
+    def _prefetch_before(self, record: SimRecord, options: OffloadSettings) -> None:
         """Mirror ``ChannelEngine._prefetch_before``: shared records first, then look-ahead."""
         index = bisect.bisect_left(self._order, record.sequence)
         if self._shared:
@@ -289,7 +289,7 @@ class SimEngine:
             self._shared = alive
         self._prefetch_scan(index - 1, record.unpacks, options)
 
-    def _prefetch_scan(self, position: int, unpacks_below: int, options: OffloadOptions) -> None:
+    def _prefetch_scan(self, position: int, unpacks_below: int, options: OffloadSettings) -> None:
         """Mirror ``ChannelEngine._prefetch_scan``."""
         started = 0
         scanned = 0

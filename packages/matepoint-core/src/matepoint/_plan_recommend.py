@@ -13,7 +13,7 @@ import dataclasses
 from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING
 
-from matepoint._options import OffloadOptions
+from matepoint._options import OffloadSettings
 
 if TYPE_CHECKING:
     from matepoint._plan import MemoryPlan, StrategyPlan
@@ -52,7 +52,7 @@ class Recommendation:
 
     budget_bytes: int
     fits: bool
-    options: OffloadOptions | None
+    options: OffloadSettings | None
     plan: StrategyPlan
     minimum_peak_bytes: int
     fixed_bytes: int
@@ -154,7 +154,7 @@ def recommend(memory_plan: MemoryPlan, budget_bytes: int) -> Recommendation:
             budget_bytes, False, None, frugal, frugal.peak_bytes, fixed, fraction, runs
         )
 
-    best: tuple[StrategyPlan, OffloadOptions] | None = None
+    best: tuple[StrategyPlan, OffloadSettings] | None = None
     for threshold in thresholds:
         first, first_saves = evaluate(threshold, 0, prefetch)
         if first.peak_bytes > budget_bytes:

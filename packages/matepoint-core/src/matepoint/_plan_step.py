@@ -26,7 +26,7 @@ import torch
 
 import matepoint_compat as compat
 from matepoint import _checkpoint
-from matepoint._options import OffloadOptions
+from matepoint._options import OffloadSettings
 from matepoint._plan_cuda import CudaKernels
 from matepoint._plan_engine import SimEngine, SimRecord, Strategy
 from matepoint._plan_rules import SavedInput
@@ -93,7 +93,7 @@ class StepRecord:
 class _Run:
     """The planning thread's current step: which strategy, which engine, which options."""
 
-    def __init__(self, engine: SimEngine, options: OffloadOptions | None) -> None:
+    def __init__(self, engine: SimEngine, options: OffloadSettings | None) -> None:
         self.engine = engine
         self.options = options
 
@@ -135,13 +135,13 @@ def _attached(run: _Run) -> Iterator[None]:
         original = {name: getattr(_checkpoint, name) for name in _ATTACH_POINTS}
         pack, unpack = original["pack"], original["unpack"]
 
-        def planned_pack(tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Any:
+        def planned_pack(tensor: torch.Tensor, options: OffloadSettings, pipelined: bool) -> Any:
             current = _current()
             if current is None:
                 return pack(tensor, options, pipelined)
             return current.engine.pack(tensor, current.options or options, pipelined)
 
-        def planned_unpack(saved: Any, options: OffloadOptions) -> torch.Tensor:
+        def planned_unpack(saved: Any, options: OffloadSettings) -> torch.Tensor:
             if isinstance(saved, SimRecord):
                 return saved.engine.unpack(saved, run.options or options)
             if isinstance(saved, torch.Tensor):
@@ -200,7 +200,7 @@ def run_step(
     kwargs: dict[str, Any],
     *,
     strategy: Strategy,
-    options: OffloadOptions | None,
+    options: OffloadSettings | None,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     device_type: str = "meta",
 ) -> StepRecord:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from matepoint._errors import PinnedMemoryExhausted
-from matepoint._options import OffloadOptions
+from matepoint._options import OffloadSettings
 from matepoint._transport import Channel
 
 __all__ = ["HostBlock", "PinnedPool"]
@@ -58,7 +58,7 @@ class PinnedPool:
         self.pageable_fallbacks = 0
         self._warned_pageable = False
 
-    def acquire(self, nbytes: int, options: OffloadOptions, *, on_side_stream: bool) -> HostBlock:
+    def acquire(self, nbytes: int, options: OffloadSettings, *, on_side_stream: bool) -> HostBlock:
         """Return a host block of exactly ``nbytes``, pinned unless the policy allows otherwise.
 
         Args:
@@ -114,10 +114,11 @@ class PinnedPool:
                 return HostBlock(buffer, pinned=True)
         return self._fallback(nbytes, options, failure)
 
-    def _fallback(self, nbytes: int, options: OffloadOptions, failure: str) -> HostBlock:
+    def _fallback(self, nbytes: int, options: OffloadSettings, failure: str) -> HostBlock:
         if options.on_pool_exhausted == "raise":
             raise PinnedMemoryExhausted(
-                f"matepoint: {failure}. Raise OffloadOptions.pool_cap_bytes, free host memory, or "
+                f"matepoint: {failure}. Raise the cap (matepoint.configure(pool_cap_bytes=...)), "
+                "free host memory, or "
                 "set on_pool_exhausted='pageable' to continue with slower pageable copies."
             )
         if not self._warned_pageable:

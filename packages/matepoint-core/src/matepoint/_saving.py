@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from matepoint._options import OffloadOptions
+from matepoint._options import ResolvedOptions
 from matepoint._records import KeptTensor, Record
 from matepoint._registry import engine_for, transport
 from matepoint._stats import Counters
@@ -95,7 +95,7 @@ def _stays_on_device(tensor: torch.Tensor) -> bool:
     )
 
 
-def pack(tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Record | KeptTensor:
+def pack(tensor: torch.Tensor, options: ResolvedOptions, pipelined: bool) -> Record | KeptTensor:
     """Decide where a saved checkpoint input lives until backward; start its copy if it moves.
 
     Args:
@@ -136,7 +136,7 @@ def pack(tensor: torch.Tensor, options: OffloadOptions, pipelined: bool) -> Reco
     return engine_for(key, tensor, active).offload(tensor, options, pipelined)
 
 
-def unpack(saved: Record | KeptTensor, options: OffloadOptions) -> torch.Tensor:
+def unpack(saved: Record | KeptTensor, options: ResolvedOptions) -> torch.Tensor:
     """Return the device tensor for a saved input, from wherever it lives now.
 
     Args:

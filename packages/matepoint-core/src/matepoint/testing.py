@@ -27,10 +27,17 @@ from typing import Any, Literal
 
 import torch
 
+from matepoint._options import set_side_stream_delay, side_stream_delay
 from matepoint._registry import set_transport, transport
 from matepoint._transport import Channel, Transport
 
-__all__ = ["POISON_BYTE", "CPUTestTransport", "CopyReadFreedMemory", "use_transport"]
+__all__ = [
+    "POISON_BYTE",
+    "CPUTestTransport",
+    "CopyReadFreedMemory",
+    "delay_side_stream",
+    "use_transport",
+]
 
 POISON_BYTE = 0xFF
 """Every byte of a copy's destination before the copy completes (NaN for floating dtypes)."""
@@ -276,3 +283,33 @@ def use_transport(new_transport: Transport) -> Iterator[Transport]:
         yield new_transport
     finally:
         set_transport(previous)
+
+
+@contextlib.contextmanager
+def delay_side_stream(cycles: int) -> Iterator[int]:
+    """Busy-wait ``cycles`` GPU cycles on the side stream before each copy, inside a block.
+
+    A race probe: a copy that is not ordered correctly against compute then reads or writes at
+    the wrong time every time, and shows up as wrong numbers. Process-wide; the previous delay
+    comes back when the block ends. Without CUDA (or ``torch.cuda._sleep``) nothing is delayed.
+
+    Args:
+        cycles: GPU cycles (about 2 per nanosecond on an H200); ``0`` for none.
+
+    Yields:
+        The delay in force.
+
+    Raises:
+        ValueError: If ``cycles`` is not an ``int >= 0``.
+
+    Example:
+        >>> from matepoint.testing import delay_side_stream
+        >>> with delay_side_stream(2_000_000):
+        ...     pass
+    """
+    previous = side_stream_delay()
+    set_side_stream_delay(cycles)
+    try:
+        yield cycles
+    finally:
+        set_side_stream_delay(previous)

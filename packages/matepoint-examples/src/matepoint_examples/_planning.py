@@ -31,7 +31,7 @@ STRATEGIES = ("none", "torch", "matepoint")
 
 def plan_workload(
     workload: Workload,
-    options: matepoint.OffloadOptions | None = None,
+    options: matepoint.OffloadSettings | None = None,
     *,
     link_bandwidth: float = 55e9,
     peak_flops: float = 989e12,
@@ -63,7 +63,7 @@ def plan_workload(
     )
 
 
-def largest_batch(workload: Workload, budget_bytes: int, options: matepoint.OffloadOptions) -> int:
+def largest_batch(workload: Workload, budget_bytes: int, options: matepoint.OffloadSettings) -> int:
     """Return the largest batch whose matepoint step peaks within ``budget_bytes`` (0 if none).
 
     A binary search below the workload's batch (peak memory grows with the batch), each

@@ -184,7 +184,7 @@ def _workload(args: argparse.Namespace) -> Workload:
     return dataclasses.replace(workload, dtype=args.dtype) if args.dtype else workload
 
 
-def _options(args: argparse.Namespace) -> matepoint.OffloadOptions:
+def _options(args: argparse.Namespace) -> matepoint.OffloadSettings:
     options = matepoint.get_options()
     if args.stash is not None:
         options = dataclasses.replace(options, stash_bytes=int(args.stash * _MIB))

@@ -48,33 +48,12 @@ def _matepoint_checkpoint_nopipeline(function: Callable[..., Tensor], /, *args: 
     return matepoint.checkpoint(function, *args, use_reentrant=False, pipeline=False)
 
 
-class _DerivedOptions:
-    """matepoint's current default options with some fields changed, rebuilt only when they change.
+def _no_wait_timing() -> AbstractContextManager[object]:
+    """Switch matepoint's wait timing off around one forward (its backward keeps the choice).
 
-    A probe that switches one matepoint feature off passes these per call; deriving them once per
-    change of the defaults keeps the probe's host cost per call equal to matepoint's.
+    Set once per forward, not per call, so the probe's host cost per checkpoint is matepoint's.
     """
-
-    def __init__(self, **changes: Any) -> None:
-        self._changes = changes
-        self._base: matepoint.OffloadOptions | None = None
-        self._derived: matepoint.OffloadOptions | None = None
-
-    def get(self) -> matepoint.OffloadOptions:
-        """Return the defaults with the changes applied."""
-        base = matepoint.get_options()
-        if base is not self._base or self._derived is None:
-            self._derived = dataclasses.replace(base, **self._changes)
-            self._base = base
-        return self._derived
-
-
-_NO_WAIT_TIMING = _DerivedOptions(measure_waits=False)
-
-
-def _matepoint_checkpoint_no_wait_timing(function: Callable[..., Tensor], /, *args: Tensor) -> Any:
-    """Run ``function`` under ``matepoint.checkpoint`` without timing events around its waits."""
-    return matepoint.checkpoint(function, *args, use_reentrant=False, offload=_NO_WAIT_TIMING.get())
+    return matepoint.options(measure_waits=False)
 
 
 def _matepoint_stats() -> dict[str, Any]:
@@ -253,7 +232,8 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy(
             "matepoint-nowaittiming",
             "matepoint.checkpoint with measure_waits=False (no timing events)",
-            _matepoint_checkpoint_no_wait_timing,
+            _matepoint_checkpoint,
+            forward_context=_no_wait_timing,
             session=_matepoint_session,
             uses_matepoint=True,
             stats=_matepoint_stats,
