@@ -351,6 +351,7 @@ def test_compiled_blocks_inside_matepoint_checkpoint(
 
 # Dynamo cannot trace saved_tensors_hooks and says so once per reason, as a UserWarning.
 @_COMPILE_IN_CHECKPOINT
+# The compiled path (test_compile.py) is opt-in: by default whole-model compile breaks the graph.
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning")
 # The graph break is the point; torch 2.5 and 2.6's dynamo also warns about it (the builtin
 # _saved_tensors_hooks_is_enabled it cannot trace), which pytest.ini would turn into an error.

@@ -18,6 +18,19 @@ from matepoint_compat._checkpoint import (
     adapt_checkpoint_kwargs,
     unwind_failed_checkpoint,
 )
+from matepoint_compat._compile import (
+    COMPILED_OFFLOAD,
+    annotate_offload,
+    compile_tracing,
+    compiled_offload_config,
+    install_joint_pass,
+    mark_for_offload,
+    nbytes_hint,
+    offloaded_nodes,
+    recompute_all_context_fn,
+    region_inputs,
+    run_at_trace_time,
+)
 from matepoint_compat._deprecation import MatepointDeprecationWarning, warn_deprecated
 from matepoint_compat._hooks import saved_tensors_hooks_active, saved_tensors_hooks_enabled
 from matepoint_compat._legacy import pop_legacy_checkpoint_kwargs
@@ -46,6 +59,7 @@ from matepoint_compat._warnings import TORCH_WARNING_FILTERS, ignore_torch_warni
 __version__ = "0.2.0"
 
 __all__ = [
+    "COMPILED_OFFLOAD",
     "CUDA_FUSED_RMS_NORM",
     "TORCH_2_5_PLUS",
     "TORCH_2_6_PLUS",
@@ -61,15 +75,25 @@ __all__ = [
     "__version__",
     "adapt_checkpoint_kwargs",
     "allocate_pinned",
+    "annotate_offload",
+    "compile_tracing",
+    "compiled_offload_config",
     "delay_stream",
     "device_module",
     "ignore_torch_warnings",
+    "install_joint_pass",
+    "mark_for_offload",
     "meta_checkpointing",
+    "nbytes_hint",
     "new_event",
     "new_stream",
+    "offloaded_nodes",
     "op_flops",
     "parse_base_version",
     "pop_legacy_checkpoint_kwargs",
+    "recompute_all_context_fn",
+    "region_inputs",
+    "run_at_trace_time",
     "run_backward",
     "saved_tensors_hooks_active",
     "saved_tensors_hooks_enabled",

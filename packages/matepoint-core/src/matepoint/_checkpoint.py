@@ -20,8 +20,15 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.autograd.graph import saved_tensors_hooks
 
 import matepoint_compat as compat
+from matepoint import _compiled
 from matepoint._legacy import pipeline_disabled as legacy_pipeline_disabled
-from matepoint._options import OffloadOptions, OffloadSettings, ResolvedOptions, resolve
+from matepoint._options import (
+    OffloadOptions,
+    OffloadSettings,
+    ResolvedOptions,
+    get_options,
+    resolve,
+)
 from matepoint._saving import pack, unpack
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -229,6 +236,11 @@ def checkpoint(
         if args:
             raise TypeError("checkpoint() got positional arguments but no function to run")
         return _decorator(use_reentrant=use_reentrant, pipeline=pipeline, offload=offload, **kwargs)
+    # See Note [The compiled path] (matepoint/_compiled.py); opt-in until measured on a GPU.
+    if compat.compile_tracing() and get_options().compiled_offload:
+        return _compiled.checkpoint(
+            function, args, kwargs, use_reentrant=use_reentrant, pipeline=pipeline, offload=offload
+        )
     reentrant = True if use_reentrant is None else bool(use_reentrant)
     options = _resolve_options(offload)
     checkpoint_options = {

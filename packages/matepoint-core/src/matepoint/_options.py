@@ -72,6 +72,12 @@ class OffloadSettings:
             Default: ``"pageable"``.
         measure_waits: Record device events around each wait of the compute stream, to report the
             time it waited for copies back (``compute_wait_seconds``). Default: ``True``.
+        compiled_offload: Experimental. Under a whole-model ``torch.compile`` (torch 2.13 and
+            newer), trace each checkpoint without a graph break and let the compiler copy its
+            saved inputs to the host (see Note [The compiled path] in ``matepoint._compiled``).
+            Off: the compiled model breaks the graph at each checkpoint, which runs eagerly
+            with matepoint's engine. It stays off by default until it has been measured on a
+            GPU. Default: ``False``.
 
     Raises:
         ValueError: If a count is not an ``int >= 0`` (a ``bool`` is refused), if
@@ -92,6 +98,7 @@ class OffloadSettings:
     pool_cap_bytes: int | None = None
     on_pool_exhausted: PoolExhaustedPolicy = "pageable"
     measure_waits: bool = True
+    compiled_offload: bool = False
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -105,9 +112,9 @@ class OffloadSettings:
                 f"{owner}.on_pool_exhausted must be 'pageable' or 'raise', "
                 f"got {self.on_pool_exhausted!r}"
             )
-        flags: tuple[object, ...] = (self.pipeline, self.measure_waits)
+        flags: tuple[object, ...] = (self.pipeline, self.measure_waits, self.compiled_offload)
         if not all(isinstance(flag, bool) for flag in flags):
-            raise ValueError(f"{owner}.pipeline and .measure_waits must be bool")
+            raise ValueError(f"{owner}.pipeline, .measure_waits and .compiled_offload must be bool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +125,7 @@ class ResolvedOptions(OffloadSettings):
 
 
 _SETTING_FIELDS = frozenset(field.name for field in dataclasses.fields(OffloadSettings))
-_DEVICE_FIELDS = _SETTING_FIELDS - {"min_offload_bytes", "pipeline"}
+_DEVICE_FIELDS = _SETTING_FIELDS - {"min_offload_bytes", "pipeline", "compiled_offload"}
 _DELAY = "side_stream_delay_cycles"
 
 

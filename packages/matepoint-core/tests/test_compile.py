@@ -1,0 +1,546 @@
+"""matepoint.checkpoint under a whole-model torch.compile (see Note [The compiled path]).
+
+Twins from one seed, one checkpointed with torch's checkpoint and one with matepoint's, compiled
+the same way: the compiled matepoint model has no graph break at its checkpoints, its gradients
+are bitwise those of torch's checkpoint under the same compile (dropout included), and its
+forward graph sends the checkpoint inputs to the host. On the CPU the "device" is the CPU test
+transport's, so the offload pass really runs (torch's synchronous copies); the ``gpu`` tests do
+the same with inductor on CUDA and check the device memory held after forward.
+
+On torch releases without ``matepoint_compat.COMPILED_OFFLOAD`` matepoint runs eagerly under
+compile, as before (see test_integrations.py); only the gate's own test runs there.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+import matepoint
+import matepoint_compat as compat
+from matepoint.testing import CPUTestTransport, use_transport
+
+WIDTH = 16
+DEPTH = 3
+
+needs_compiled_offload = pytest.mark.skipif(
+    not compat.COMPILED_OFFLOAD,
+    reason="this torch cannot trace matepoint's checkpoint (it runs eagerly under compile)",
+)
+# Importing inductor touches torch.jit.script_method, deprecated in recent torch.
+_INDUCTOR_IMPORT = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+)
+
+# The torch settings matepoint's compiled path writes (see matepoint_compat._compile).
+_TORCH_CONFIG = (
+    "joint_custom_pass",
+    "enable_activation_offloading",
+    "activation_offload_separate_stream",
+    "activation_offload_sink_wait",
+    "activation_reload_prefetch",
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile() -> Iterator[None]:
+    """Each test compiles from scratch, with the (opt-in) compiled path switched on, and leaves
+    torch's compile settings as it found them."""
+    import torch._functorch.config as functorch_config
+
+    saved = {name: getattr(functorch_config, name, None) for name in _TORCH_CONFIG}
+    torch._dynamo.reset()
+    with matepoint.options(compiled_offload=True):
+        yield
+    torch._dynamo.reset()
+    for name, value in saved.items():
+        if hasattr(functorch_config, name):
+            setattr(functorch_config, name, value)
+
+
+@pytest.fixture
+def transport() -> Iterator[CPUTestTransport]:
+    """The CPU test transport with no minimum size: every CPU checkpoint input is offloadable."""
+    test_transport = CPUTestTransport()
+    with use_transport(test_transport), matepoint.options(min_offload_bytes=0):
+        yield test_transport
+    gc.collect()
+    test_transport.drain()
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block with dropout; ``pair`` (a tuple of tensors) is added when given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        scale: float = 1.0,
+        pair: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        h = self.down(F.gelu(self.up(self.norm(x))))
+        out = x + F.dropout(h, 0.25, self.training) * scale
+        if pair is not None:
+            out = out + pair[0] * pair[1]
+        return out
+
+
+class Model(nn.Module):
+    """An input projection, then ``DEPTH`` blocks, each through ``checkpoint``.
+
+    ``extras``: the blocks also get a float keyword and a tuple of two tensors computed once and
+    shared by every block (as keyword ``pair=``), so nested and keyword tensors are inputs too.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Callable[..., Any],
+        extras: bool = False,
+        depth: int = DEPTH,
+        **checkpoint_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.checkpoint = checkpoint
+        self.extras = extras
+        self.checkpoint_kwargs = {"use_reentrant": False, **checkpoint_kwargs}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Not the projection's output itself: a 3-d Linear returns a view of its matmul, and
+        # views stay on the device under compile (see docs/differences.md).
+        h = self.proj(x).tanh()
+        kwargs: dict[str, Any] = dict(self.checkpoint_kwargs)
+        if self.extras:
+            kwargs.update(scale=0.5, pair=(h.tanh(), h.sigmoid()))
+        for block in self.blocks:
+            h = self.checkpoint(block, h, **kwargs)
+        return h
+
+
+def twins(extras: bool = False, **checkpoint_kwargs: Any) -> tuple[Model, Model]:
+    """(torch's checkpoint, matepoint's): the same weights, the same checkpoint arguments."""
+    reference = Model(torch_checkpoint.checkpoint, extras, **checkpoint_kwargs)
+    model = copy.deepcopy(reference)
+    model.checkpoint = matepoint.checkpoint
+    return reference, model
+
+
+def step(model: nn.Module, backend: Any, **compile_kwargs: Any) -> list[torch.Tensor]:
+    """One seeded compiled forward and backward; the input's and every parameter's gradient.
+
+    Dynamo is reset first: its guards do not tell twins apart by their ``checkpoint`` attribute,
+    and would run the graph compiled for the other twin.
+    """
+    torch._dynamo.reset()
+    x = torch.randn(2, 8, WIDTH, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    torch.manual_seed(2)
+    compiled = torch.compile(model, backend=backend, **compile_kwargs)
+    compiled(x).square().mean().backward()
+    grads = [x.grad] + [p.grad for p in model.parameters()]
+    assert all(grad is not None for grad in grads)
+    return [grad for grad in grads if grad is not None]
+
+
+def assert_bitwise(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    assert len(actual) == len(expected)
+    for a, b in zip(actual, expected, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+class CapturingBackend:
+    """aot_eager (min-cut partitioner, no compiler) that keeps the partitioned forward graphs."""
+
+    def __init__(self) -> None:
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.forward_graphs: list[torch.fx.GraphModule] = []
+
+        def forward_compiler(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+            self.forward_graphs.append(graph)
+            return make_boxed_func(graph.forward)
+
+        def backward_compiler(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+            return make_boxed_func(graph.forward)
+
+        self.backend = aot_autograd(
+            fw_compiler=forward_compiler,
+            bw_compiler=backward_compiler,
+            partition_fn=min_cut_rematerialization_partition,
+            keep_inference_input_mutations=True,
+        )
+
+    def __call__(self, graph: torch.fx.GraphModule, inputs: Any) -> Any:
+        return self.backend(graph, inputs)
+
+    def offloaded(self) -> list[str]:
+        """The values the forward graphs send to the host."""
+        return [name for graph in self.forward_graphs for name in compat.offloaded_nodes(graph)]
+
+
+def graph_breaks(model: nn.Module) -> tuple[int, int]:
+    """(graph breaks, graphs) of the whole model under Dynamo."""
+    x = torch.randn(2, 8, WIDTH, requires_grad=True)
+    explanation = torch._dynamo.explain(model)(x)
+    return explanation.graph_break_count, explanation.graph_count
+
+
+# -- the gate ---------------------------------------------------------------------------------
+
+
+def test_compile_tracing_is_true_only_while_dynamo_traces_a_supported_torch() -> None:
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return x + int(compat.compile_tracing())
+
+    x = torch.zeros(2)
+    assert compat.compile_tracing() is False
+    assert probe(x).sum().item() == 0
+    compiled = torch.compile(probe, backend="eager", fullgraph=True)
+    assert compiled(x).sum().item() == (2 if compat.COMPILED_OFFLOAD else 0)
+
+
+# -- no graph break ---------------------------------------------------------------------------
+
+
+@needs_compiled_offload
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "kwargs_and_tuples"])
+def test_no_graph_break_at_matepoint_checkpoints(transport: CPUTestTransport, extras: bool) -> None:
+    reference, model = twins(extras)
+    assert graph_breaks(model) == (0, 1)
+    assert graph_breaks(reference) == (0, 1)
+    # fullgraph=True raises at any graph break.
+    step(model, "aot_eager", fullgraph=True)
+
+
+@needs_compiled_offload
+@pytest.mark.parametrize(
+    "form",
+    ["reentrant", "decorator", "offload_false", "options", "legacy_keyword", "sequential"],
+)
+def test_no_graph_break_with_other_call_forms(transport: CPUTestTransport, form: str) -> None:
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+    decorated = matepoint.checkpoint(offload=matepoint.OffloadOptions(min_offload_bytes=0))
+    calls: dict[str, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
+        "reentrant": lambda block, h: matepoint.checkpoint(block, h, use_reentrant=True),
+        "decorator": lambda block, h: decorated(block)(h),
+        "offload_false": lambda block, h: matepoint.checkpoint(block, h, offload=False),
+        "options": lambda block, h: matepoint.checkpoint(
+            block, h, pipeline=False, offload=matepoint.OffloadOptions(min_offload_bytes=0)
+        ),
+        # A 0.1.x keyword the function does not take: dropped with its warning, still traced.
+        "legacy_keyword": lambda block, h: matepoint.checkpoint(block, h, matepoint_ctx=[]),
+    }
+
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = blocks
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if form == "sequential":
+                return matepoint.checkpoint_sequential(
+                    nn.Sequential(*self.blocks), DEPTH, x, use_reentrant=False
+                )
+            for block in self.blocks:
+                x = calls[form](block, x)
+            return x
+
+    if form == "legacy_keyword":
+        with pytest.warns(compat.MatepointDeprecationWarning, match="matepoint_ctx"):
+            assert graph_breaks(Loop()) == (0, 1)
+    else:
+        assert graph_breaks(Loop()) == (0, 1)
+
+
+# -- gradients and offloads -------------------------------------------------------------------
+
+
+@needs_compiled_offload
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "kwargs_and_tuples"])
+def test_gradients_equal_torch_checkpoint_under_aot_eager(
+    transport: CPUTestTransport, extras: bool
+) -> None:
+    reference, model = twins(extras)
+    torch_backend, matepoint_backend = CapturingBackend(), CapturingBackend()
+    expected = step(reference, torch_backend)
+    got = step(model, matepoint_backend)
+    assert_bitwise(got, expected)
+    assert torch_backend.offloaded() == []
+    # The first block's input (computed in the graph), the first DEPTH - 1 blocks' outputs
+    # and, with extras, the two tensors of the shared tuple: each once.
+    assert len(matepoint_backend.offloaded()) == DEPTH + (2 if extras else 0)
+    # Nothing went through matepoint's eager engine.
+    assert matepoint.stats().offloads == 0
+
+
+@pytest.fixture
+def marked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the values matepoint's joint-graph pass marks for offload, as it marks them."""
+    names: list[str] = []
+    mark = compat.mark_for_offload
+
+    def spy(node: torch.fx.Node) -> None:
+        names.append(node.name)
+        mark(node)
+
+    monkeypatch.setattr(compat, "mark_for_offload", spy)
+    return names
+
+
+@needs_compiled_offload
+@_INDUCTOR_IMPORT
+def test_gradients_equal_torch_checkpoint_under_inductor_on_cpu(
+    transport: CPUTestTransport, marked: list[str]
+) -> None:
+    from torch._inductor.utils import fresh_inductor_cache
+
+    reference, model = twins(extras=True)
+    with fresh_inductor_cache():
+        expected = step(reference, "inductor")
+        assert marked == []
+        got = step(model, "inductor")
+    # Bitwise on the CPU (same generated kernels; the host copies change no value).
+    assert_bitwise(got, expected)
+    assert len(marked) == DEPTH + 2
+
+
+@needs_compiled_offload
+@_INDUCTOR_IMPORT
+def test_compile_cache_keeps_graphs_apart_by_matepoint_choices(
+    transport: CPUTestTransport, marked: list[str]
+) -> None:
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_inductor_cache
+
+    def compile_with(min_offload_bytes: int) -> tuple[int, int]:
+        """Compile the model afresh; (values marked, AOTAutograd cache hits)."""
+        counters.clear()
+        del marked[:]
+        _, model = twins(offload=matepoint.OffloadOptions(min_offload_bytes=min_offload_bytes))
+        step(model, "inductor")
+        return len(marked), counters["aot_autograd"]["autograd_cache_hit"]
+
+    with fresh_inductor_cache():
+        assert compile_with(1 << 40) == (0, 0)
+        # The same graph, other choices: compiled anew, not the cached graph without copies.
+        assert compile_with(0) == (DEPTH, 0)
+        # The same choices: served from the cache (nothing to mark, the copies are in it).
+        assert compile_with(0) == (0, 1)
+
+
+@needs_compiled_offload
+def test_reentrant_under_compile_does_what_torchs_does(transport: CPUTestTransport) -> None:
+    reference, model = twins(use_reentrant=True)
+    backend = CapturingBackend()
+    assert_bitwise(step(model, backend), step(reference, "aot_eager"))
+    assert len(backend.offloaded()) == DEPTH
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    policy = torch_checkpoint.CheckpointPolicy
+    return policy.MUST_SAVE if op is torch.ops.aten.addmm.default else policy.PREFER_RECOMPUTE
+
+
+@needs_compiled_offload
+def test_a_calls_own_context_fn_is_kept(transport: CPUTestTransport) -> None:
+    context_fn = functools.partial(
+        torch_checkpoint.create_selective_checkpoint_contexts, _save_matmuls
+    )
+    reference, model = twins(context_fn=context_fn)
+    backend = CapturingBackend()
+    assert_bitwise(step(model, backend), step(reference, "aot_eager"))
+    assert len(backend.offloaded()) == DEPTH
+
+
+@needs_compiled_offload
+@pytest.mark.parametrize(
+    "offload",
+    [
+        False,
+        matepoint.OffloadOptions(enabled=False),
+        matepoint.OffloadOptions(min_offload_bytes=1 << 40),
+    ],
+    ids=["false", "disabled", "too_small"],
+)
+def test_calls_that_offload_nothing_compile_to_torchs_graph(
+    transport: CPUTestTransport, offload: Any
+) -> None:
+    reference, model = twins(offload=offload)
+    reference.checkpoint_kwargs.pop("offload")
+    backend = CapturingBackend()
+    assert_bitwise(step(model, backend), step(reference, "aot_eager"))
+    assert backend.offloaded() == []
+
+
+@needs_compiled_offload
+def test_cpu_tensors_stay_without_a_test_transport() -> None:
+    # matepoint's defaults on a CPU-only machine: the CPU is not an offload device.
+    with matepoint.options(min_offload_bytes=0):
+        reference, model = twins()
+        backend = CapturingBackend()
+        assert_bitwise(step(model, backend), step(reference, "aot_eager"))
+    assert backend.offloaded() == []
+
+
+@needs_compiled_offload
+def test_the_settings_minimum_size_applies_when_the_graph_compiles(
+    transport: CPUTestTransport,
+) -> None:
+    block_input_bytes = 2 * 8 * WIDTH * 4
+    reference, model = twins(extras=True)
+    backend = CapturingBackend()
+    with matepoint.options(min_offload_bytes=block_input_bytes + 1):
+        assert_bitwise(step(model, backend), step(reference, "aot_eager"))
+    assert backend.offloaded() == []
+
+
+@needs_compiled_offload
+def test_a_users_joint_pass_still_runs(transport: CPUTestTransport) -> None:
+    import torch._functorch.config as functorch_config
+
+    seen: list[int] = []
+
+    def users_pass(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
+        seen.append(len(graph.graph.nodes))
+        return graph
+
+    functorch_config.joint_custom_pass = users_pass
+    reference, model = twins()
+    backend = CapturingBackend()
+    assert_bitwise(step(model, backend), step(reference, "aot_eager"))
+    assert len(seen) == 2  # both compiles
+    assert len(backend.offloaded()) == DEPTH
+
+
+@needs_compiled_offload
+def test_eager_calls_after_a_compile_still_use_the_engine(transport: CPUTestTransport) -> None:
+    reference, model = twins()
+    step(model, "aot_eager")
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(2, 8, WIDTH, requires_grad=True)
+    torch.manual_seed(3)
+    model(x).square().mean().backward()
+    got = [x.grad] + [p.grad for p in model.parameters()]
+    x.grad = None
+    reference.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    reference(x).square().mean().backward()
+    expected = [x.grad] + [p.grad for p in reference.parameters()]
+    assert matepoint.stats().offloads == DEPTH
+    assert_bitwise([g for g in got if g is not None], [g for g in expected if g is not None])
+
+
+# -- on CUDA ----------------------------------------------------------------------------------
+
+
+def _cuda_step(
+    blocks: nn.ModuleList, checkpoint: Callable[..., Any], pipeline: bool
+) -> tuple[list[torch.Tensor], int, int]:
+    """Compiled (inductor) forward and backward on CUDA, after one warm-up step.
+
+    Returns the gradients of the measured step, the device bytes held between its forward and
+    its backward (what the autograd graph keeps) over those held before it, and Dynamo's graph
+    breaks.
+    """
+    from _cuda_helpers import TOKENS
+    from _cuda_helpers import WIDTH as CUDA_WIDTH
+
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if checkpoint is matepoint.checkpoint:
+        kwargs["pipeline"] = pipeline
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = blocks
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = checkpoint(block, x, **kwargs)
+            return x
+
+    torch._dynamo.reset()
+    probe = torch.randn(TOKENS, CUDA_WIDTH, device="cuda", requires_grad=True)
+    breaks = torch._dynamo.explain(Stack())(probe).graph_break_count
+    del probe
+    torch._dynamo.reset()
+    compiled = torch.compile(Stack(), backend="inductor")
+    for _ in range(2):  # the first step compiles
+        blocks.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        x = torch.randn(TOKENS, CUDA_WIDTH, device="cuda", requires_grad=True)
+        torch.cuda.manual_seed(2)
+        gc.collect()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = compiled(x)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        out.square().mean().backward()
+        torch.cuda.synchronize()
+        del out
+    grads = [x.grad] + [p.grad for p in blocks.parameters()]
+    return [grad.clone() for grad in grads if grad is not None], held, breaks
+
+
+@pytest.mark.gpu
+@needs_compiled_offload
+@_INDUCTOR_IMPORT
+# Inductor suggests TF32 when it compiles an fp32 matmul on a GPU that has it; the test keeps fp32.
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")
+@pytest.mark.usefixtures("clean_start")
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipeline", "nopipeline"])
+def test_inductor_on_cuda_offloads_and_matches_torch(pipeline: bool, marked: list[str]) -> None:
+    from _cuda_helpers import TOKENS, make_stack
+    from _cuda_helpers import WIDTH as CUDA_WIDTH
+    from torch._inductor.utils import fresh_inductor_cache
+
+    depth = 8
+    block_input_bytes = TOKENS * CUDA_WIDTH * 4  # 16 MiB in fp32
+    torch_blocks = make_stack(depth)
+    matepoint_blocks = copy.deepcopy(torch_blocks)
+    # A fresh cache: the pass must really run (a cached graph skips it).
+    with fresh_inductor_cache():
+        expected, torch_held, torch_breaks = _cuda_step(
+            torch_blocks, torch_checkpoint.checkpoint, pipeline
+        )
+        got, matepoint_held, matepoint_breaks = _cuda_step(
+            matepoint_blocks, matepoint.checkpoint, pipeline
+        )
+    bitwise = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    print(
+        f"\n[gpu] compiled (inductor), {depth} blocks of {block_input_bytes} bytes, held after "
+        f"forward: torch checkpoint {torch_held}, matepoint (pipeline={pipeline}) "
+        f"{matepoint_held}; gradients bitwise equal: {bitwise}; marked: {marked}"
+    )
+    assert (torch_breaks, matepoint_breaks) == (0, 0)
+    # The first block's input is the compiled graph's own input (the caller holds it): the
+    # other block inputs (the outputs of blocks 0 .. depth - 2) are marked.
+    assert len(marked) == depth - 1
+    # The same graph plus the copies: the kernels should be the same and the gradients bitwise
+    # equal. The tolerance only allows for fusion changed around the copies; a different dropout
+    # mask in the recomputation would be off by far more.
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # torch keeps the block inputs it saves (depth - 1 of them, plus the output: depth x 16 MiB);
+    # matepoint moves the saved ones to the host. Allow two block inputs beyond the output for
+    # what a schedule may still hold when forward returns.
+    assert torch_held >= (depth - 1) * block_input_bytes
+    assert matepoint_held <= torch_held - (depth - 3) * block_input_bytes
