@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from matepoint._options import resolve
 from matepoint._registry import all_engines, retired_counts
 from matepoint._saving import kept_counters
-from matepoint._stats import Counters, OffloadStats, format_report
+from matepoint._stats import OffloadStats, format_report
 
 __all__ = ["prefetch_now", "release_pool", "report", "reset_stats", "stats"]
-
-_COUNTER_NAMES = tuple(field.name for field in dataclasses.fields(Counters))
 
 
 def stats(*, synchronize: bool = False) -> OffloadStats:
@@ -29,17 +25,13 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
         >>> matepoint.stats().bytes_offloaded >= 0
         True
     """
-    totals: dict[str, float] = dict.fromkeys(_COUNTER_NAMES, 0)
     snapshot = OffloadStats()
     engines = all_engines()
     for engine in engines:
         engine.settle(block=synchronize)
     retired = retired_counts()
     for counters in [kept_counters(), retired.counters] + [engine.counters for engine in engines]:
-        for name in _COUNTER_NAMES:
-            totals[name] += getattr(counters, name)
-    for name, value in totals.items():
-        setattr(snapshot, name, type(getattr(snapshot, name))(value))
+        snapshot.add(counters)
     snapshot.pool_blocks_allocated += retired.blocks_allocated
     snapshot.pool_blocks_reused += retired.blocks_reused
     snapshot.pageable_fallbacks += retired.pageable_fallbacks

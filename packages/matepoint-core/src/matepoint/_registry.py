@@ -8,7 +8,6 @@ counts kept for stats), so an unused transport and its pool can be freed.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Hashable
 
@@ -78,13 +77,7 @@ _retired = RetiredCounts()
 
 def _retire(engine: ChannelEngine) -> None:
     with engine.lock:
-        for field in dataclasses.fields(Counters):
-            name = field.name
-            setattr(
-                _retired.counters,
-                name,
-                getattr(_retired.counters, name) + getattr(engine.counters, name),
-            )
+        _retired.counters.add(engine.counters)
         _retired.blocks_allocated += engine.pool.blocks_allocated
         _retired.blocks_reused += engine.pool.blocks_reused
         _retired.pageable_fallbacks += engine.pool.pageable_fallbacks

@@ -30,6 +30,11 @@ class _CounterFields:
     skipped_parameters: int = 0
     skipped_other: int = 0
 
+    def add(self, other: _CounterFields) -> None:
+        """Add every count of ``other`` to this one."""
+        for field in dataclasses.fields(_CounterFields):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
 
 @dataclasses.dataclass
 class Counters(_CounterFields):
