@@ -29,9 +29,11 @@ import torch
 
 import matepoint_compat as compat
 from matepoint._options import OffloadSettings
-from matepoint._plan_rules import Fate, SavedInput, SizeOnlyChannel, is_dense, stays_on_device
+from matepoint._plan_rules import Fate, SavedInput, SizeOnlyChannel
 from matepoint._plan_trace import MemoryTracker
 from matepoint._pool import HostBlock, PinnedPool
+from matepoint._saving import _is_dense as is_dense
+from matepoint._saving import count_kept, keep_reason
 from matepoint._stats import Counters
 from matepoint._transport import Channel
 
@@ -129,28 +131,14 @@ class SimEngine:
     # -- forward ---------------------------------------------------------------------------
 
     def _keep_reason(self, tensor: torch.Tensor, options: OffloadSettings) -> Fate | None:
-        """Mirror ``matepoint._saving.pack``: why a saved tensor stays where it is, or None."""
-        if type(tensor) is not torch.Tensor:
-            if isinstance(tensor, torch.nn.Parameter):
-                self.counters.skipped_parameters += 1
-                return "parameter"
-            self.counters.skipped_other += 1
-            return "other"
-        if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
-            self.counters.skipped_parameters += 1
-            return "parameter"
-        if stays_on_device(tensor):
-            self.counters.skipped_other += 1
-            return "other"
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < max(options.min_offload_bytes, 1):
-            if nbytes:
-                self.counters.skipped_small += 1
-            return "small"
-        if tensor.device.type != self.device_type or not is_dense(tensor):
-            self.counters.skipped_other += 1
-            return "other"
-        return None
+        """``matepoint._saving.pack``'s rules: why a saved tensor stays where it is, or None."""
+        reason = keep_reason(tensor, options.min_offload_bytes)
+        if reason is None:
+            if tensor.device.type == self.device_type and is_dense(tensor):
+                return None
+            reason = "other"
+        count_kept(self.counters, reason)
+        return "small" if reason == "empty" else reason
 
     def pack(self, tensor: torch.Tensor, options: OffloadSettings, pipelined: bool) -> Any:
         """Return what autograd keeps for a saved checkpoint input under this strategy."""

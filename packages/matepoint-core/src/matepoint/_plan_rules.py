@@ -12,9 +12,8 @@ from typing import Any, Literal
 import torch
 
 from matepoint._plan_trace import MemoryTracker
-from matepoint._saving import _is_dense, _stays_on_device
 
-__all__ = ["Fate", "SavedInput", "SizeOnlyChannel", "is_dense", "stays_on_device"]
+__all__ = ["Fate", "SavedInput", "SizeOnlyChannel"]
 
 Fate = Literal["offloaded", "shared", "small", "parameter", "other"]
 
@@ -58,8 +57,3 @@ class SizeOnlyChannel:
 
     def synchronize(self, event: Any) -> float:
         return 0.0
-
-
-# The engine's own keep rules, shared so the planner cannot drift from them.
-stays_on_device = _stays_on_device
-is_dense = _is_dense

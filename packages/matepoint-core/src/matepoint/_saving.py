@@ -8,6 +8,7 @@ the device tensor from wherever it lives now.
 from __future__ import annotations
 
 import threading
+from typing import Literal
 
 import torch
 
@@ -16,7 +17,7 @@ from matepoint._records import KeptTensor, Record
 from matepoint._registry import engine_for, transport
 from matepoint._stats import Counters
 
-__all__ = ["kept_counters", "pack", "unpack"]
+__all__ = ["KeepReason", "count_kept", "keep_reason", "kept_counters", "pack", "unpack"]
 
 
 def _is_dense(tensor: torch.Tensor) -> bool:
@@ -80,8 +81,7 @@ def _stays_on_device(tensor: torch.Tensor) -> bool:
     """Whether a tensor must be left where it is, whatever its size.
 
     Conj and neg views carry a lazy bit that a non-blocking device-to-host copy does not honour
-    (pytorch/pytorch#146286), and a copy into a plain host view would drop the bit. Views of a
-    parameter keep the parameter's memory alive anyway, so moving them frees nothing. Nested
+    (pytorch/pytorch#146286), and a copy into a plain host view would drop the bit. Nested
     tensors and non-strided layouts have no single strided block to copy.
     """
     return (
@@ -95,6 +95,43 @@ def _stays_on_device(tensor: torch.Tensor) -> bool:
     )
 
 
+KeepReason = Literal["parameter", "other", "small", "empty"]
+"""Why a saved input stays where it is; ``"empty"`` is torch 2.4-2.11's 0-element dummy."""
+
+_KEPT_COUNTERS: dict[KeepReason, str] = {
+    "parameter": "skipped_parameters",
+    "other": "skipped_other",
+    "small": "skipped_small",
+}
+
+
+def keep_reason(tensor: torch.Tensor, min_offload_bytes: int) -> KeepReason | None:
+    """Why a saved input stays where it is, whatever device it is on; None if it may move.
+
+    The keep rules matepoint's pack hook applies before it asks about the device (a tensor
+    that passes must still be on an offloadable device and dense); the planner applies the
+    same rules. Views of a parameter keep the parameter's memory alive anyway, so moving them
+    frees nothing.
+    """
+    if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
+        return "parameter" if isinstance(tensor, torch.nn.Parameter) else "other"
+    if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
+        return "parameter"
+    if _stays_on_device(tensor):
+        return "other"
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes < max(min_offload_bytes, 1):
+        return "small" if nbytes else "empty"
+    return None
+
+
+def count_kept(counters: Counters, reason: KeepReason) -> None:
+    """Count a saved input kept in place under its reason (the 0-element dummy is not counted)."""
+    name = _KEPT_COUNTERS.get(reason)
+    if name is not None:
+        setattr(counters, name, getattr(counters, name) + 1)
+
+
 def pack(tensor: torch.Tensor, options: ResolvedOptions, pipelined: bool) -> Record | KeptTensor:
     """Decide where a saved checkpoint input lives until backward; start its copy if it moves.
 
@@ -106,34 +143,16 @@ def pack(tensor: torch.Tensor, options: ResolvedOptions, pipelined: bool) -> Rec
     Returns:
         The object autograd keeps in place of the tensor.
     """
-    if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
-        with _kept_lock:
-            if isinstance(tensor, torch.nn.Parameter):
-                _kept_counters.skipped_parameters += 1
-            else:
-                _kept_counters.skipped_other += 1
-        return _keep(tensor)
-    if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
-        with _kept_lock:
-            _kept_counters.skipped_parameters += 1
-        return _keep(tensor)
-    if _stays_on_device(tensor):
-        with _kept_lock:
-            _kept_counters.skipped_other += 1
-        return _keep(tensor)
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes < max(options.min_offload_bytes, 1):
-        if nbytes:  # torch 2.4-2.11's 0-element dummy is not a user tensor
-            with _kept_lock:
-                _kept_counters.skipped_small += 1
-        return _keep(tensor)
-    active = transport()
-    key = active.channel_key(tensor)
-    if key is None or not _is_dense(tensor):
-        with _kept_lock:
-            _kept_counters.skipped_other += 1
-        return _keep(tensor)
-    return engine_for(key, tensor, active).offload(tensor, options, pipelined)
+    reason = keep_reason(tensor, options.min_offload_bytes)
+    if reason is None:
+        active = transport()
+        key = active.channel_key(tensor)
+        if key is not None and _is_dense(tensor):
+            return engine_for(key, tensor, active).offload(tensor, options, pipelined)
+        reason = "other"
+    with _kept_lock:
+        count_kept(_kept_counters, reason)
+    return _keep(tensor)
 
 
 def unpack(saved: Record | KeptTensor, options: ResolvedOptions) -> torch.Tensor:
