@@ -292,20 +292,16 @@ class ChannelEngine:
         that ends at ``current``, the record being unpacked. Later in the pass ``last_use`` lies
         above the window, and ``current`` itself has just been served.
         """
-        alive: list[weakref.ref[Record]] = []
+        # Dead entries go in _settle_graveyard, which restore ran just before.
         for reference in self._shared:
             candidate = reference()
-            if candidate is None:
-                continue
-            alive.append(reference)
             if (
-                candidate is not current
+                candidate is not None
+                and candidate is not current
                 and window_start <= candidate.last_use <= current.sequence
                 and candidate.pipelined
-                and candidate.fetched is None
             ) and not self._start_prefetch(candidate, options):
                 break
-        self._shared = alive
 
     def prefetch_newest(self, options: ResolvedOptions) -> None:
         """Start copying back the newest records not yet unpacked (what backward needs first)."""
@@ -329,7 +325,7 @@ class ChannelEngine:
             if candidate is None or candidate.unpacks >= unpacks_below or not candidate.pipelined:
                 continue
             started += 1
-            if candidate.fetched is None and not self._start_prefetch(candidate, options):
+            if not self._start_prefetch(candidate, options):
                 return
 
     def _start_prefetch(self, candidate: Record, options: ResolvedOptions) -> bool:
