@@ -102,16 +102,16 @@ def _flattened_call(
 
     See Note [Keyword tensors and device RNG state] for which keyword tensors stay keywords.
     """
-    arg_leaves, _ = compat.tree_flatten(args)
+    arg_leaves, arg_spec = compat.tree_flatten(args)
+    kwarg_leaves, kwarg_spec = compat.tree_flatten(function_kwargs)
     positional_count = len(arg_leaves)
     positional_devices = {
         leaf.device
         for leaf in arg_leaves
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu"
     }
-    del arg_leaves
-    # (args, kwargs) flattens args' leaves first, in the same order.
-    leaves, spec = compat.tree_flatten((args, function_kwargs))
+    leaves = arg_leaves + kwarg_leaves
+    del arg_leaves, kwarg_leaves
 
     def lifted(index: int, leaf: Any) -> bool:
         if not isinstance(leaf, torch.Tensor):
@@ -133,7 +133,8 @@ def _flattened_call(
         filled = list(template)
         for index, tensor in zip(positions, tensor_args, strict=True):
             filled[index] = tensor
-        call_args, call_kwargs = compat.tree_unflatten(filled, spec)
+        call_args = compat.tree_unflatten(filled[:positional_count], arg_spec)
+        call_kwargs = compat.tree_unflatten(filled[positional_count:], kwarg_spec)
         return function(*call_args, **call_kwargs)
 
     return run, tensors
