@@ -14,18 +14,35 @@ Note [Version witness]
 from __future__ import annotations
 
 import torch
-from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 __all__ = ["version_witness"]
+
+_set_version_counter = torch._C._autograd._unsafe_set_version_counter
+
+
+def _takes_tuples() -> bool:
+    # torch 2.4 takes (tensor, version); later releases take (tensors, versions).
+    probe = torch.zeros(())
+    try:
+        _set_version_counter((probe,), (0,))
+    except TypeError:
+        return False
+    return True
+
+
+_TAKES_TUPLES = _takes_tuples()
 
 
 def version_witness(tensor: torch.Tensor) -> torch.Tensor:
     """Return a storage-less tensor that shares ``tensor``'s version counter.
 
     See Note [Version witness]. ``set_()`` on the detached alias is itself an in-place call that
-    bumps the shared counter; ``torch.autograd._unsafe_preserve_version_counter`` (present on
-    every supported release, 2.4 on) puts the counter back, so neither the user's tensor nor any
-    other saved tensor of theirs sees a version change.
+    bumps the shared counter; ``torch._C._autograd._unsafe_set_version_counter`` (what
+    ``torch.autograd.graph``'s ``_unsafe_preserve_version_counter`` calls, checked on 2.4 to
+    2.15; it took one tensor and one version on 2.4, tuples of them later) puts it back, so
+    neither the user's tensor nor any other saved tensor of theirs sees a version change. This
+    runs once per offload on the forward's host path, so it calls torch directly rather than
+    through two context managers.
 
     Args:
         tensor: A tensor with a version counter (not an inference tensor).
@@ -40,7 +57,11 @@ def version_witness(tensor: torch.Tensor) -> torch.Tensor:
         >>> base.add_(1)._version == witness._version
         True
     """
-    witness = tensor.detach()
-    with torch.no_grad(), _unsafe_preserve_version_counter(tensor):
-        witness.set_()  # type: ignore[call-overload]  # the no-argument form is real, untyped
+    version = tensor._version
+    witness = tensor.detach()  # requires no grad, so set_() records nothing for autograd
+    witness.set_()  # type: ignore[call-overload]  # the no-argument form is real, untyped
+    if _TAKES_TUPLES:
+        _set_version_counter((witness,), (version,))
+    else:
+        _set_version_counter(witness, version)
     return witness

@@ -10,6 +10,7 @@ inputs live until backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterable
@@ -69,7 +70,11 @@ def _resolve_options(offload: OffloadOptions | bool | None) -> ResolvedOptions |
 
 
 class _OffloadHooks(saved_tensors_hooks):
-    """matepoint's outer hooks for one checkpoint call, carrying that call's options."""
+    """matepoint's outer hooks for checkpoint calls with the same resolved options.
+
+    Entering pushes the two hooks and leaving pops them; the object keeps no other state, so one
+    instance serves every call (nested and threaded ones too) with the same options.
+    """
 
     def __init__(self, options: ResolvedOptions, pipelined: bool) -> None:
         def pack_hook(tensor: torch.Tensor) -> Any:
@@ -79,6 +84,22 @@ class _OffloadHooks(saved_tensors_hooks):
             return unpack(saved, options)
 
         super().__init__(pack_hook, unpack_hook)
+
+
+# The hooks of the last call: a training loop repeats one set of options (``resolve`` returns
+# the same object while nothing changes), so building the hooks is off the per-call path.
+_last_hooks: tuple[ResolvedOptions, bool, _OffloadHooks] | None = None
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def _hooks_for(options: ResolvedOptions, pipelined: bool) -> _OffloadHooks:
+    global _last_hooks
+    last = _last_hooks
+    if last is not None and last[0] is options and last[1] == pipelined:
+        return last[2]
+    hooks = _OffloadHooks(options, pipelined)
+    _last_hooks = (options, pipelined, hooks)
+    return hooks
 
 
 def _needs_flattening(args: tuple[Any, ...], function_kwargs: dict[str, Any]) -> bool:
@@ -232,7 +253,8 @@ def checkpoint(
         ...     return block(h) * scale
         >>> y = mlp(x, scale=2.0)
     """
-    compat.pop_legacy_checkpoint_kwargs(kwargs, function=function, stacklevel=2)
+    if kwargs:
+        compat.pop_legacy_checkpoint_kwargs(kwargs, function=function, stacklevel=2)
     if function is None:
         if args:
             raise TypeError("checkpoint() got positional arguments but no function to run")
@@ -248,7 +270,9 @@ def checkpoint(
         name: kwargs.pop(name) for name in list(kwargs) if name in _CHECKPOINT_OPTION_NAMES
     }
     function_kwargs = kwargs
-    adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)
+    adapted: contextlib.AbstractContextManager[None] = _NO_CONTEXT
+    if checkpoint_options:
+        adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)
     if (
         options is None
         or not torch.is_grad_enabled()
@@ -272,7 +296,7 @@ def checkpoint(
         function_kwargs = {}
     # unwind_failed_checkpoint: on torch < 2.13 a raising function leaves torch's hooks pushed
     # above ours; it pops them first, so _OffloadHooks pops its own.
-    with adapted, _OffloadHooks(options, pipelined), compat.unwind_failed_checkpoint():
+    with adapted, _hooks_for(options, pipelined), compat.unwind_failed_checkpoint():
         return torch_checkpoint.checkpoint(
             call_function,
             *call_args,

@@ -61,14 +61,9 @@ class ChannelEngine:
         """Start moving ``tensor`` to the host and return its record (or a shared one)."""
         with self.lock:
             self._settle_graveyard()
-            key = (
-                tensor.untyped_storage().data_ptr(),
-                tensor.storage_offset(),
-                tuple(tensor.shape),
-                tensor.stride(),
-                tensor.dtype,
-                tensor._version,
-            )
+            # Same memory, layout and version: the same saved value (dedupe).
+            version = tensor._version
+            key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, version)
             shared_ref = self._by_key.get(key)
             shared = shared_ref() if shared_ref is not None else None
             if shared is not None and shared.original() is not None and not shared.modified:
@@ -81,13 +76,14 @@ class ChannelEngine:
             nbytes = tensor.numel() * tensor.element_size()
             compute = self.channel.current_compute()
             block = self.pool.acquire(nbytes, options, on_side_stream=pipelined)
-            host = (
-                block.buffer[:nbytes].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
-            )
+            buffer = block.buffer if block.nbytes == nbytes else block.buffer[:nbytes]
+            host = buffer.view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
             self._sequence += 1
             record = Record(
                 sequence=self._sequence,
                 original=tensor,
+                nbytes=nbytes,
+                version=version,
                 host=host,
                 block=block,
                 key=key,
@@ -128,27 +124,26 @@ class ChannelEngine:
         being copied: that bounds device memory when compute outruns the link.
         """
         self._poll_in_flight()
-        alive: list[Record] = []
-        for reference in self._held:
-            record = reference()
-            if record is not None and record.device_tensor is not None:
-                alive.append(record)
+        alive = [
+            (reference, record)
+            for reference in self._held
+            if (record := reference()) is not None and record.device_tensor is not None
+        ]
+        held_bytes = sum(record.nbytes for _, record in alive)
         kept: deque[weakref.ref[Record]] = deque()
-        held_bytes = sum(record.nbytes for record in alive)
-        for record in alive:
-            if held_bytes <= options.stash_bytes:
-                kept.append(weakref.ref(record))
-                continue
-            event = record.copy_event
-            if event is None or self.channel.is_complete(event):
-                self._drop_original(record)
-                held_bytes -= record.nbytes
-            elif self._hand_to_allocator(record):
-                self._in_flight.append((event, record.nbytes))
-                self._in_flight_bytes += record.nbytes
-                held_bytes -= record.nbytes
-            else:
-                kept.append(weakref.ref(record))
+        for reference, record in alive:
+            if held_bytes > options.stash_bytes:
+                event = record.copy_event
+                if event is None or self.channel.is_complete(event):
+                    self._drop_original(record)
+                    held_bytes -= record.nbytes
+                    continue
+                if self._hand_to_allocator(record):
+                    self._in_flight.append((event, record.nbytes))
+                    self._in_flight_bytes += record.nbytes
+                    held_bytes -= record.nbytes
+                    continue
+            kept.append(reference)
         self._held = kept
         self._throttle(options)
 
@@ -180,7 +175,7 @@ class ChannelEngine:
             self._in_flight_bytes -= nbytes
             self._wait_for_copy(event)
         watched = 0
-        for reference in list(self._held):
+        for reference in self._held:
             record = reference()
             if record is None or record.device_tensor is None or record.copy_event is None:
                 continue
@@ -204,7 +199,7 @@ class ChannelEngine:
             record.modified = True
         record.copy_event = None
         self.channel.release_original(tensor, record.compute)
-        use_count = _storage_use_count(tensor)
+        use_count = compat.storage_use_count(tensor)
         del tensor
         record.device_tensor = None
         if record.original() is not None or (use_count is not None and use_count > 1):
@@ -224,7 +219,7 @@ class ChannelEngine:
             current = record.witness._version
             if record.modified or current != record.version:
                 current = max(current, record.version + 1)
-                raise inplace_error(record.tensor_type, record.shape, current, record.version)
+                raise inplace_error(record.witness.type(), record.shape, current, record.version)
             if original is not None:
                 # Still on the device (stash, copy in flight, or kept alive elsewhere): no copy.
                 self.counters.stash_hits += 1
@@ -420,9 +415,3 @@ class ChannelEngine:
         with self.lock:
             self._settle_graveyard()
             return self.pool.release_all_idle()
-
-
-def _storage_use_count(tensor: torch.Tensor) -> int | None:
-    from matepoint_compat import storage_use_count
-
-    return storage_use_count(tensor)

@@ -112,7 +112,6 @@ class Record:
         "prefetched",
         "sequence",
         "shape",
-        "tensor_type",
         "unpacks",
         "version",
         "witness",
@@ -123,6 +122,8 @@ class Record:
         *,
         sequence: int,
         original: torch.Tensor,
+        nbytes: int,
+        version: int,
         host: torch.Tensor,
         block: HostBlock,
         key: tuple[Any, ...],
@@ -137,10 +138,9 @@ class Record:
         self.host = host
         self.block = block
         self.key = key
-        self.nbytes = int(original.numel() * original.element_size())
-        self.shape = tuple(original.shape)
-        self.tensor_type = original.type()
-        self.version = original._version
+        self.nbytes = nbytes
+        self.shape = original.shape
+        self.version = version
         self.pipelined = pipelined
         self.copy_event: Any = None
         self.prefetched: torch.Tensor | None = None
