@@ -148,3 +148,28 @@ def test_no_op_checkpoint_context_is_nullcontext() -> None:
 
     context = compat.adapt_checkpoint_kwargs({}, use_reentrant=False)
     assert isinstance(context, contextlib.nullcontext)
+
+
+# --- torch's checkpoint wrapper (a private module, same API on every release) ------------------
+
+
+def test_checkpoint_wrapper_shims_reach_torchs_wrapper() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    calls: list[torch.nn.Module] = []
+
+    def checkpoint_fn(function: torch.nn.Module, *args: torch.Tensor) -> torch.Tensor:
+        calls.append(function)
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    compat.torch_apply_activation_checkpointing(
+        model,
+        lambda module: compat.torch_checkpoint_wrapper(module, checkpoint_fn),
+        check_fn=lambda module: isinstance(module, torch.nn.Linear),
+        auto_wrap_policy=None,
+    )
+    assert isinstance(model[0], CheckpointWrapper)
+    assert not isinstance(model[1], CheckpointWrapper)
+    model(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    assert len(calls) == 1

@@ -8,20 +8,17 @@ them. The tests assert the behaviour; the numbers are data, not prose.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
+
+from matepoint._stats import rss_bytes as _rss_bytes
 
 Record = Callable[[str, object], None]
 """pytest's ``record_property`` fixture."""
 
 
 def rss_bytes() -> int:
-    """The process's resident memory in bytes (0 where ``/proc`` does not exist)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux
-        return 0
+    """The process's resident memory in bytes (0 where it cannot be read: not Linux)."""
+    return _rss_bytes() or 0
 
 
 def report(

@@ -203,6 +203,36 @@ def test_side_stream_delay_is_a_test_knob() -> None:
     assert _options.side_stream_delay() == 0
 
 
+def test_the_deprecated_delay_warns_at_the_callers_line_and_is_checked_first() -> None:
+    with pytest.warns(MatepointDeprecationWarning) as configured:
+        matepoint.configure(side_stream_delay_cycles=0)
+    with (
+        pytest.warns(MatepointDeprecationWarning) as entered,
+        matepoint.options(side_stream_delay_cycles=0),
+    ):
+        pass
+    assert [caught[0].filename for caught in (configured, entered)] == [__file__, __file__]
+    # A bad value anywhere changes nothing, the delay included (options() restores nothing).
+    with (
+        pytest.warns(MatepointDeprecationWarning),
+        pytest.raises(ValueError, match="prefetch"),
+        matepoint.options(side_stream_delay_cycles=5, prefetch=-1),
+    ):
+        pass
+    with (
+        pytest.raises(TypeError, match="bogus"),
+        matepoint.options(side_stream_delay_cycles=5, bogus=1),
+    ):
+        pass
+    assert _options.side_stream_delay() == 0
+    with (
+        pytest.warns(MatepointDeprecationWarning),
+        pytest.raises(ValueError, match=r"settings\.side_stream_delay_cycles"),
+    ):
+        matepoint.configure(side_stream_delay_cycles=-1)
+    assert _options.side_stream_delay() == 0
+
+
 def test_resolution_is_reused_while_nothing_changes() -> None:
     call = matepoint.OffloadOptions(min_offload_bytes=0)
     first = _options.resolve(call)

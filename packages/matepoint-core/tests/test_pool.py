@@ -169,7 +169,7 @@ def test_varying_shapes_trim_idle_blocks(
         assert snapshot.pool_in_use_bytes == 0
     # Bounded by one step's working set plus the idle floor, not by every shape ever seen.
     assert peak <= largest_step + 4 * 1024 + largest_step
-    assert engine_of(transport).pool.blocks_released > 0
+    assert transport.pinned_bytes > peak  # more was pinned over time than held: blocks released
     pinned = settle().pool_pinned_bytes
     assert matepoint.release_pool() == pinned
     assert settle().pool_pinned_bytes == 0

@@ -55,6 +55,7 @@ from matepoint_compat._version import (
 )
 from matepoint_compat._version_counter import version_witness
 from matepoint_compat._warnings import TORCH_WARNING_FILTERS, ignore_torch_warnings
+from matepoint_compat._wrapper import torch_apply_activation_checkpointing, torch_checkpoint_wrapper
 
 __version__ = "0.2.0"
 
@@ -100,6 +101,8 @@ __all__ = [
     "set_current_stream",
     "storage_use_count",
     "stream_context",
+    "torch_apply_activation_checkpointing",
+    "torch_checkpoint_wrapper",
     "tree_flatten",
     "tree_unflatten",
     "unwind_failed_checkpoint",

@@ -13,11 +13,13 @@ Note [Version witness]
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["version_witness"]
 
-_set_version_counter = torch._C._autograd._unsafe_set_version_counter
+_set_version_counter: Any = torch._C._autograd._unsafe_set_version_counter
 
 
 def _takes_tuples() -> bool:

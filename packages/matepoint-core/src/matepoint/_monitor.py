@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from matepoint._options import resolve
-from matepoint._registry import all_engines, retired_counts
+from matepoint._registry import all_engines, reset_retired, retired_counts
 from matepoint._saving import kept_counters
 from matepoint._stats import OffloadStats, format_report
 
@@ -29,18 +29,10 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
     engines = all_engines()
     for engine in engines:
         engine.settle(block=synchronize)
-    retired = retired_counts()
-    for counters in [kept_counters(), retired.counters] + [engine.counters for engine in engines]:
-        snapshot.add(counters)
-    snapshot.pool_blocks_allocated += retired.blocks_allocated
-    snapshot.pool_blocks_reused += retired.blocks_reused
-    snapshot.pageable_fallbacks += retired.pageable_fallbacks
+    for counts in [kept_counters(), retired_counts()] + [engine.counters for engine in engines]:
+        snapshot.add(counts)
     for engine in engines:
-        snapshot.pool_pinned_bytes += engine.pool.pinned_bytes
-        snapshot.pool_in_use_bytes += engine.pool.in_use_bytes
-        snapshot.pool_blocks_allocated += engine.pool.blocks_allocated
-        snapshot.pool_blocks_reused += engine.pool.blocks_reused
-        snapshot.pageable_fallbacks += engine.pool.pageable_fallbacks
+        snapshot.add(engine.pool.snapshot())
         snapshot.live_records += engine.live_records()
         snapshot.device_bytes_held += engine.held_bytes()
     return snapshot
@@ -61,7 +53,7 @@ def reset_stats() -> None:
         0
     """
     kept_counters().reset()
-    retired_counts().reset()
+    reset_retired()
     for engine in all_engines():
         with engine.lock:
             engine.counters.reset()

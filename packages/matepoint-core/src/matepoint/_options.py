@@ -212,25 +212,33 @@ _side_stream_delay = 0
 _last: tuple[OffloadSettings, OffloadOptions | None, int, ResolvedOptions] | None = None
 
 
-def _checked(fields: dict[str, Any]) -> dict[str, Any]:
-    """Return ``fields`` without the deprecated test delay (applied here); refuse unknown names."""
-    if _DELAY in fields:
-        fields = dict(fields)
-        cycles = fields.pop(_DELAY)
-        warn_deprecated(
-            f"`{_DELAY}=` in `matepoint.configure`/`matepoint.options`",
-            replacement="use `matepoint.testing.delay_side_stream(cycles)`",
-            stacklevel=4,
-        )
-        _check_count("settings", _DELAY, cycles)
-        set_side_stream_delay(cycles)
-    unknown = sorted(set(fields) - _SETTING_FIELDS)
+def _replace(fields: dict[str, Any], stacklevel: int) -> tuple[OffloadSettings, OffloadSettings]:
+    """Apply ``fields`` to the settings; return the settings before and after.
+
+    Everything is checked before anything changes. The deprecated test delay is applied here,
+    its warning attributed ``stacklevel`` frames up (counted as ``warn_deprecated`` counts).
+    """
+    global _defaults
+    unknown = sorted(set(fields) - _SETTING_FIELDS - {_DELAY})
     if unknown:
         raise TypeError(
             f"unknown offload setting(s) {', '.join(unknown)}; "
             f"valid: {', '.join(sorted(_SETTING_FIELDS))}"
         )
-    return fields
+    settings = {name: value for name, value in fields.items() if name != _DELAY}
+    if _DELAY in fields:
+        warn_deprecated(
+            f"`{_DELAY}=` in `matepoint.configure`/`matepoint.options`",
+            replacement="use `matepoint.testing.delay_side_stream(cycles)`",
+            stacklevel=stacklevel,
+        )
+        _check_count("settings", _DELAY, fields[_DELAY])
+    with _lock:
+        previous = _defaults
+        _defaults = dataclasses.replace(previous, **settings)
+        if _DELAY in fields:
+            set_side_stream_delay(fields[_DELAY])
+        return previous, _defaults
 
 
 def get_options() -> OffloadSettings:
@@ -262,11 +270,7 @@ def configure(**fields: Any) -> OffloadSettings:
         >>> _ = matepoint.configure(prefetch=3)
         >>> _ = matepoint.configure(prefetch=2)
     """
-    global _defaults
-    fields = _checked(fields)
-    with _lock:
-        _defaults = dataclasses.replace(_defaults, **fields)
-        return _defaults
+    return _replace(fields, stacklevel=3)[1]
 
 
 @contextlib.contextmanager
@@ -296,11 +300,7 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
     """
     global _defaults
     previous_delay = _side_stream_delay
-    fields = _checked(fields)
-    with _lock:
-        previous = _defaults
-        _defaults = dataclasses.replace(previous, **fields)
-        current = _defaults
+    previous, current = _replace(fields, stacklevel=4)
     try:
         yield current
     finally:

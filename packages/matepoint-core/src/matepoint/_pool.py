@@ -16,6 +16,7 @@ import torch
 
 from matepoint._errors import PinnedMemoryExhausted
 from matepoint._options import OffloadSettings
+from matepoint._stats import OffloadStats
 from matepoint._transport import Channel
 
 __all__ = ["HostBlock", "PinnedPool"]
@@ -54,7 +55,6 @@ class PinnedPool:
         self.pageable_bytes = 0
         self.blocks_allocated = 0
         self.blocks_reused = 0
-        self.blocks_released = 0
         self.pageable_fallbacks = 0
         self._warned_pageable = False
 
@@ -87,32 +87,30 @@ class PinnedPool:
             return block
         cap = options.pool_cap_bytes
         if cap is not None and self.pinned_bytes + nbytes > cap:
-            self._release_idle(
-                target_idle=max(0, cap - nbytes - (self.pinned_bytes - self.idle_bytes))
-            )
+            self._release_idle(target_idle=cap - nbytes - (self.pinned_bytes - self.idle_bytes))
+            if self.pinned_bytes + nbytes > cap:
+                return self._fallback(
+                    nbytes,
+                    options,
+                    f"the pinned pool cap of {cap} bytes is reached ({self.pinned_bytes} bytes "
+                    f"pinned, {self.in_use_bytes} in use, {nbytes} more asked)",
+                )
         failure: str | None = None
-        if cap is not None and self.pinned_bytes + nbytes > cap:
-            failure = (
-                f"the pinned pool cap of {cap} bytes is reached "
-                f"({self.pinned_bytes} bytes pinned, {self.in_use_bytes} in use, "
-                f"{nbytes} more asked)"
-            )
-        else:
+        try:
+            buffer = self._channel.allocate_host(nbytes)
+        except RuntimeError as error:
+            self._release_idle(target_idle=0)
             try:
                 buffer = self._channel.allocate_host(nbytes)
-            except RuntimeError as error:
-                self._release_idle(target_idle=0)
-                try:
-                    buffer = self._channel.allocate_host(nbytes)
-                except RuntimeError:
-                    failure = f"allocating {nbytes} bytes of pinned host memory failed: {error}"
-            if failure is None:
-                self.pinned_bytes += nbytes
-                self.in_use_bytes += nbytes
-                self.blocks_allocated += 1
-                self._trim_idle()
-                return HostBlock(buffer, pinned=True)
-        return self._fallback(nbytes, options, failure)
+            except RuntimeError:
+                failure = f"allocating {nbytes} bytes of pinned host memory failed: {error}"
+        if failure is not None:  # outside the handler: a raise there would chain the RuntimeError
+            return self._fallback(nbytes, options, failure)
+        self.pinned_bytes += nbytes
+        self.in_use_bytes += nbytes
+        self.blocks_allocated += 1
+        self._trim_idle()
+        return HostBlock(buffer, pinned=True)
 
     def _fallback(self, nbytes: int, options: OffloadSettings, failure: str) -> HostBlock:
         if options.on_pool_exhausted == "raise":
@@ -136,10 +134,7 @@ class PinnedPool:
 
     def reset_counters(self) -> None:
         """Zero the event counts (allocations, reuses, fallbacks); sizes are current values."""
-        self.blocks_allocated = 0
-        self.blocks_reused = 0
-        self.blocks_released = 0
-        self.pageable_fallbacks = 0
+        self.blocks_allocated = self.blocks_reused = self.pageable_fallbacks = 0
 
     def give_back(self, block: HostBlock) -> None:
         """Return a block; pinned ones become idle for reuse, pageable ones are freed."""
@@ -168,7 +163,16 @@ class PinnedPool:
                 self._channel.synchronize(block.last_event)
             self.idle_bytes -= nbytes
             self.pinned_bytes -= nbytes
-            self.blocks_released += 1
+
+    def snapshot(self) -> OffloadStats:
+        """Return the pool's sizes and event counts as the ``pool_*`` fields of a stats snapshot."""
+        return OffloadStats(
+            pool_pinned_bytes=self.pinned_bytes,
+            pool_in_use_bytes=self.in_use_bytes,
+            pool_blocks_allocated=self.blocks_allocated,
+            pool_blocks_reused=self.blocks_reused,
+            pageable_fallbacks=self.pageable_fallbacks,
+        )
 
     def release_all_idle(self) -> int:
         """Free every idle block; return the bytes freed."""

@@ -14,13 +14,13 @@ from collections.abc import Hashable
 import torch
 
 from matepoint._engine import ChannelEngine
-from matepoint._stats import Counters
+from matepoint._stats import OffloadStats
 from matepoint._transport import CudaTransport, Transport
 
 __all__ = [
-    "RetiredCounts",
     "all_engines",
     "engine_for",
+    "reset_retired",
     "retired_counts",
     "set_transport",
     "transport",
@@ -57,36 +57,26 @@ def set_transport(new_transport: Transport) -> None:
                 _retire(engine)
 
 
-class RetiredCounts:
-    """What forgotten engines counted, so stats since the last reset still include it."""
-
-    def __init__(self) -> None:
-        self.counters = Counters()
-        self.blocks_allocated = 0
-        self.blocks_reused = 0
-        self.pageable_fallbacks = 0
-
-    def reset(self) -> None:
-        """Zero every count."""
-        self.counters.reset()
-        self.blocks_allocated = self.blocks_reused = self.pageable_fallbacks = 0
-
-
-_retired = RetiredCounts()
+# What engines forgotten since the last reset counted, so stats still include it.
+_retired = OffloadStats()
 
 
 def _retire(engine: ChannelEngine) -> None:
     with engine.lock:
-        _retired.counters.add(engine.counters)
-        _retired.blocks_allocated += engine.pool.blocks_allocated
-        _retired.blocks_reused += engine.pool.blocks_reused
-        _retired.pageable_fallbacks += engine.pool.pageable_fallbacks
         engine.pool.release_all_idle()
+        _retired.add(engine.counters)
+        _retired.add(engine.pool.snapshot())  # an idle engine's pool: only its event counts
 
 
-def retired_counts() -> RetiredCounts:
-    """Return the counts of engines forgotten since the last reset."""
+def retired_counts() -> OffloadStats:
+    """Return the counts of engines forgotten since the last reset (see :func:`reset_retired`)."""
     return _retired
+
+
+def reset_retired() -> None:
+    """Forget the counts of engines forgotten so far (``matepoint.reset_stats``)."""
+    global _retired
+    _retired = OffloadStats()
 
 
 def all_engines() -> list[ChannelEngine]:

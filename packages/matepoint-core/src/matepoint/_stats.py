@@ -1,10 +1,15 @@
-"""Counters of what matepoint moved, served and waited for, and a one-call report."""
+"""Counters of what matepoint moved, served and waited for, and a one-call report.
+
+Also the project's one byte formatter and one reader of the process's resident memory, which the
+tests and ``matepoint_examples`` (pinned to this release) import from here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
-__all__ = ["Counters", "OffloadStats", "format_report"]
+__all__ = ["Counters", "OffloadStats", "format_bytes", "format_report", "rss_bytes"]
 
 
 @dataclasses.dataclass
@@ -31,8 +36,8 @@ class _CounterFields:
     skipped_other: int = 0
 
     def add(self, other: _CounterFields) -> None:
-        """Add every count of ``other`` to this one."""
-        for field in dataclasses.fields(_CounterFields):
+        """Add every field of ``other`` to this one's field of the same name (``self`` has all)."""
+        for field in dataclasses.fields(other):
             setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
 
@@ -96,59 +101,67 @@ class OffloadStats(_CounterFields):
     device_bytes_held: int = 0
 
 
-def _bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
+def format_bytes(count: float | None) -> str:
+    """Format a byte count in binary units (``"512 B"``, ``"1.50 GiB"``); ``"n/a"`` for None."""
+    if count is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB"):
+        if abs(count) < 1024:
+            return f"{count:.0f} B" if unit == "B" else f"{count:.2f} {unit}"
         count /= 1024
     return f"{count:.2f} GiB"
 
 
+def rss_bytes() -> int | None:
+    """Return this process's resident set size in bytes, or None where it cannot be read.
+
+    ``/proc/self/statm`` is read directly (Linux only): it is cheap, and it counts pinned host
+    memory, which is what offloading adds. Its unit is the page, whose size is asked of the OS.
+    """
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def format_report(stats: OffloadStats) -> str:
     """Render a snapshot as a short aligned text report."""
-    rows = [
-        ("offloaded", f"{stats.offloads} tensors, {_bytes(stats.bytes_offloaded)}"),
-        (
-            "fetched back",
-            f"{stats.fetches} copies, {_bytes(stats.bytes_fetched)} "
-            f"({stats.prefetches} prefetched, {stats.prefetch_hits} used, "
-            f"{stats.prefetches_skipped} skipped for memory)",
+    rows = {
+        "offloaded": f"{stats.offloads} tensors, {format_bytes(stats.bytes_offloaded)}",
+        "fetched back": (
+            f"{stats.fetches} copies, {format_bytes(stats.bytes_fetched)} ({stats.prefetches} "
+            f"prefetched, {stats.prefetch_hits} used, "
+            f"{stats.prefetches_skipped} skipped for memory)"
         ),
-        (
-            "served on device",
-            f"{stats.stash_hits} unpacks, {_bytes(stats.bytes_served_from_stash)} (no copy back)",
+        "served on device": (
+            f"{stats.stash_hits} unpacks, {format_bytes(stats.bytes_served_from_stash)} "
+            "(no copy back)"
         ),
-        (
-            "shared (dedupe)",
-            f"{stats.dedupe_hits} saves, {stats.shared_fetch_hits} unpacks served by one fetch",
+        "shared (dedupe)": (
+            f"{stats.dedupe_hits} saves, {stats.shared_fetch_hits} unpacks served by one fetch"
         ),
-        (
-            "freed nothing",
-            f"{stats.offloads_freed_nothing} offloads (original kept alive elsewhere)",
+        "freed nothing": f"{stats.offloads_freed_nothing} offloads (original kept alive elsewhere)",
+        "compute waited": f"{stats.compute_wait_seconds * 1e3:.2f} ms for copies back",
+        "host waited": (
+            f"{stats.host_wait_seconds * 1e3:.2f} ms ({stats.throttled_waits} throttles)"
         ),
-        ("compute waited", f"{stats.compute_wait_seconds * 1e3:.2f} ms for copies back"),
-        (
-            "host waited",
-            f"{stats.host_wait_seconds * 1e3:.2f} ms ({stats.throttled_waits} throttles)",
-        ),
-        (
-            "kept in place",
+        "kept in place": (
             f"{stats.skipped_small} small, {stats.skipped_parameters} parameters, "
-            f"{stats.skipped_other} other",
+            f"{stats.skipped_other} other"
         ),
-        (
-            "pinned pool",
-            f"{_bytes(stats.pool_pinned_bytes)} pinned, {_bytes(stats.pool_in_use_bytes)} in use, "
-            f"{stats.pool_blocks_allocated} allocated, {stats.pool_blocks_reused} reused, "
-            f"{stats.pageable_fallbacks} pageable fallbacks",
+        "pinned pool": (
+            f"{format_bytes(stats.pool_pinned_bytes)} pinned, "
+            f"{format_bytes(stats.pool_in_use_bytes)} in use, {stats.pool_blocks_allocated} "
+            f"allocated, {stats.pool_blocks_reused} reused, "
+            f"{stats.pageable_fallbacks} pageable fallbacks"
         ),
-        (
-            "now",
+        "now": (
             f"{stats.live_records} live offloaded tensors, "
-            f"{_bytes(stats.device_bytes_held)} device bytes held",
+            f"{format_bytes(stats.device_bytes_held)} device bytes held"
         ),
-    ]
-    width = max(len(label) for label, _ in rows)
+    }
+    width = max(map(len, rows))
     lines = ["matepoint offload report"]
-    lines += [f"  {label.ljust(width)}  {value}" for label, value in rows]
+    lines += [f"  {label.ljust(width)}  {value}" for label, value in rows.items()]
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from matepoint._checkpoint import checkpoint
+from matepoint_compat import torch_apply_activation_checkpointing, torch_checkpoint_wrapper
 
 __all__ = [
     "apply_matepoint_checkpointing",
@@ -55,9 +56,7 @@ def matepoint_checkpoint_fn(**checkpoint_kwargs: Any) -> functools.partial[Any]:
         >>> fn(torch.sin, torch.ones(2, requires_grad=True)).shape
         torch.Size([2])
     """
-    kwargs: dict[str, Any] = {"use_reentrant": False}
-    kwargs.update(checkpoint_kwargs)
-    return functools.partial(checkpoint, **kwargs)
+    return functools.partial(checkpoint, **{"use_reentrant": False, **checkpoint_kwargs})
 
 
 def enable_hf_gradient_checkpointing(model: nn.Module, **checkpoint_kwargs: Any) -> None:
@@ -134,8 +133,7 @@ def checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module
     Returns:
         The wrapper module.
     """
-    wrap = _torch_checkpoint_wrapper()
-    return wrap(module, checkpoint_fn=matepoint_checkpoint_fn(**checkpoint_kwargs))
+    return torch_checkpoint_wrapper(module, matepoint_checkpoint_fn(**checkpoint_kwargs))
 
 
 def apply_matepoint_checkpointing(
@@ -159,24 +157,9 @@ def apply_matepoint_checkpointing(
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint`.
             ``use_reentrant`` defaults to ``False``.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing,
-    )
-
-    apply_activation_checkpointing(
+    torch_apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, **checkpoint_kwargs),
         check_fn=check_fn,
         auto_wrap_policy=auto_wrap_policy,
     )
-
-
-def _torch_checkpoint_wrapper() -> Callable[..., nn.Module]:
-    # torch's wrapper lives in a private module, public in all but name: FSDP's documentation
-    # and torchtitan import it from there, and it has kept its signature since torch 2.0.
-    # Imported on use so that `import matepoint` never imports torch.distributed.
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        checkpoint_wrapper as wrap,
-    )
-
-    return wrap

@@ -57,11 +57,11 @@ class _FakeStream:
     """A FIFO of deferred copies, standing in for the side stream."""
 
     def __init__(self) -> None:
-        self.pending: deque[tuple[Callable[[], None], _FakeEvent]] = deque()
+        self.pending: deque[tuple[Callable[[], object], _FakeEvent]] = deque()
         self.lock = threading.Lock()
         self.drain_lock = threading.RLock()
 
-    def enqueue(self, operation: Callable[[], None]) -> _FakeEvent:
+    def enqueue(self, operation: Callable[[], object]) -> _FakeEvent:
         event = _FakeEvent(self)
         with self.lock:
             self.pending.append((operation, event))
@@ -156,11 +156,7 @@ class _CPUTestChannel:
         self.owner.copies_in += 1
         target = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device="cpu")
         _poison(target)
-
-        def run() -> None:
-            target.copy_(host)
-
-        return target, self._maybe_run(self.side.enqueue(run))
+        return target, self._maybe_run(self.side.enqueue(lambda: target.copy_(host)))
 
     def _maybe_run(self, event: _FakeEvent) -> _FakeEvent:
         if self.owner.completion == "immediate":

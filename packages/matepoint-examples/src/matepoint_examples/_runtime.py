@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
+
+# The project's one byte formatter and one RSS reader live in core (this package pins its release).
+from matepoint._stats import format_bytes, rss_bytes
 
 __all__ = [
     "allocated_bytes",
@@ -64,32 +65,3 @@ def peak_bytes(device: torch.device) -> int | None:
 def parameter_bytes(model: nn.Module) -> int:
     """Return the bytes of ``model``'s parameters."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def rss_bytes() -> int | None:
-    """Return this process's resident set size, or ``None`` where it cannot be read.
-
-    ``/proc/self/statm`` is read directly: it is cheap and counts pinned host memory, which is
-    what an offloading strategy adds. psutil is the fallback on systems without ``/proc``.
-    """
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import psutil  # type: ignore[import-untyped,unused-ignore]
-    except ImportError:
-        return None
-    return int(psutil.Process().memory_info().rss)
-
-
-def format_bytes(n: float | None) -> str:
-    """Format a byte count for a table (``"n/a"`` for ``None``)."""
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

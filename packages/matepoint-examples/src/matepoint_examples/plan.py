@@ -25,6 +25,7 @@ from rich.table import Table
 
 import matepoint
 from matepoint_examples._planning import largest_batch, plan_workload
+from matepoint_examples._runtime import format_bytes
 from matepoint_examples._workloads import WORKLOADS, Workload, get_workload
 
 __all__ = ["main", "plot", "rich_table"]
@@ -33,10 +34,6 @@ _GIB = float(1 << 30)
 _GB = 1e9
 _MIB = 1 << 20
 _LABELS = {"none": "no checkpoint", "torch": "torch checkpoint", "matepoint": "matepoint"}
-
-
-def _gib(value: int) -> str:
-    return f"{value / _GIB:.2f} GiB"
 
 
 def _ms(seconds: float) -> str:
@@ -62,10 +59,10 @@ def rich_table(memory_plan: matepoint.MemoryPlan) -> Table:
             _LABELS.get(strategy_plan.strategy, strategy_plan.strategy), justify="right"
         )
     rows: list[tuple[str, list[str]]] = [
-        ("peak device memory", [_gib(p.peak_bytes) for p in plans]),
-        ("  of which before the step", [_gib(p.baseline_bytes) for p in plans]),
-        ("held after forward", [_gib(p.held_after_forward_bytes) for p in plans]),
-        ("pinned host RAM", [_gib(p.pinned_bytes + p.pageable_bytes) for p in plans]),
+        ("peak device memory", [format_bytes(p.peak_bytes) for p in plans]),
+        ("  of which before the step", [format_bytes(p.baseline_bytes) for p in plans]),
+        ("held after forward", [format_bytes(p.held_after_forward_bytes) for p in plans]),
+        ("pinned host RAM", [format_bytes(p.pinned_bytes + p.pageable_bytes) for p in plans]),
         ("to host / to device", [
             f"{p.bytes_to_host / _GB:.2f} / {p.bytes_to_device / _GB:.2f} GB" for p in plans
         ]),
