@@ -15,9 +15,22 @@ Rank 0 writes a JSON report: the loss per step, the final parameters' checksums,
 step times, and per rank the device bytes held after forward, host RSS and ``matepoint.stats()``.
 ``--save-params`` writes the final parameters, and ``--compare-to`` compares with such a file.
 
+``--checkpoint paired`` compares the two checkpoints' speed in one run: the time of one step in
+two separate processes varies by several percent between runs, more than the gap to measure.
+Each block's wrapper then asks a :class:`CheckpointSwitch` which checkpoint to run at call time,
+and after ``--warmup`` untimed steps the loop runs ``--rounds`` rounds of one step with torch's
+checkpoint and one with matepoint's, on the same model and optimizer, the order swapped every
+round. The report's ``paired`` entry has each checkpoint's median step time and matepoint's time
+over torch's as the median of the per-round ratios, with their interquartile range. Both are
+exact checkpoints (identical gradients on identical weights), so alternating them trains the
+model as either would alone; still, this mode only measures time, and parity with a single
+process is what the other modes check.
+
 Example:
     torchrun --nproc-per-node 2 -m matepoint_examples.distributed --mode ddp --out ddp.json
     python -m matepoint_examples.distributed --mode single --save-params ref.pt --out ref.json
+    torchrun --nproc-per-node 2 -m matepoint_examples.distributed --mode ddp \
+        --checkpoint paired --warmup 6 --rounds 20 --out paired.json
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -44,11 +58,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 import matepoint
 import matepoint_compat
-from matepoint.integrations import apply_matepoint_checkpointing
+from matepoint.integrations import apply_matepoint_checkpointing, matepoint_checkpoint_fn
+from matepoint_examples._paired import quartiles, round_order
 from matepoint_examples._runtime import rss_bytes, synchronize
 from matepoint_examples.models import (
     DeepLatentConfig,
@@ -60,9 +76,22 @@ from matepoint_examples.models import (
 )
 from matepoint_examples.strategies import get_strategy
 
-__all__ = ["compare_params", "fully_shard_fn", "main", "parse_args", "run"]
+__all__ = [
+    "PAIRED",
+    "CheckpointSwitch",
+    "compare_params",
+    "fully_shard_fn",
+    "main",
+    "paired_line",
+    "paired_summary",
+    "parse_args",
+    "run",
+]
 
 MODES = ("single", "ddp", "fsdp2")
+CHECKPOINTS = ("matepoint", "torch", "none", "paired")
+PAIRED = ("torch", "matepoint")
+"""What ``--checkpoint paired`` alternates; the first is the reference of the ratio."""
 _WRAPPED_PREFIX = "_checkpoint_wrapped_module."
 
 
@@ -115,11 +144,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument(
         "--checkpoint",
-        choices=("matepoint", "torch", "none"),
+        choices=CHECKPOINTS,
         default="matepoint",
-        help="what checkpoints each block (default: matepoint)",
+        help="what checkpoints each block (default: matepoint); paired: torch's and "
+        "matepoint's alternately, step by step, timing both",
     )
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps to train (not paired)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="paired only: untimed steps first, alternating the checkpoints (default: 2)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=10,
+        help="paired only: timed rounds of one step per checkpoint (default: 10)",
+    )
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -155,9 +197,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.mode is None:
         args.mode = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"
-    for name in ("steps", "depth", "width", "heads", "tokens", "batch", "vocab_size"):
+    for name in ("steps", "rounds", "depth", "width", "heads", "tokens", "batch", "vocab_size"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.warmup < 0:
+        parser.error("--warmup must not be negative")
     return args
 
 
@@ -186,8 +230,57 @@ def _build_model(args: argparse.Namespace) -> tuple[nn.Module, type[nn.Module]]:
     return NanoGPT(gpt), GPTBlock
 
 
-def _checkpoint_blocks(model: nn.Module, block_type: type[nn.Module], how: str) -> None:
-    """Wrap every block in a ``CheckpointWrapper`` running matepoint's or torch's checkpoint."""
+class CheckpointSwitch:
+    """A checkpoint function that runs torch's or matepoint's, whichever is current at call time.
+
+    ``--checkpoint paired`` wraps every block in torch's ``CheckpointWrapper`` with this as its
+    ``checkpoint_fn``; setting :attr:`current` changes how the blocks are checkpointed from the
+    next call on. The two functions are exactly what ``--checkpoint torch`` and ``--checkpoint
+    matepoint`` install: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` and
+    :func:`matepoint.integrations.matepoint_checkpoint_fn` (``matepoint.checkpoint``,
+    non-reentrant).
+
+    Args:
+        current: The checkpoint to start with, one of :data:`PAIRED`.
+    """
+
+    def __init__(self, current: str = PAIRED[0]) -> None:
+        self.functions: dict[str, Callable[..., Any]] = {
+            "torch": functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
+            "matepoint": matepoint_checkpoint_fn(),
+        }
+        self.current = current
+        self.calls = dict.fromkeys(self.functions, 0)
+
+    @property
+    def current(self) -> str:
+        """The checkpoint the next call runs: ``"torch"`` or ``"matepoint"``."""
+        return self._current
+
+    @current.setter
+    def current(self, name: str) -> None:
+        if name not in self.functions:
+            raise ValueError(
+                f"unknown checkpoint {name!r}; expected one of {sorted(self.functions)}"
+            )
+        self._current = name
+
+    def __call__(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``function(*args, **kwargs)`` under the current checkpoint."""
+        self.calls[self._current] += 1
+        return self.functions[self._current](function, *args, **kwargs)
+
+
+def _checkpoint_blocks(
+    model: nn.Module, block_type: type[nn.Module], how: str
+) -> CheckpointSwitch | None:
+    """Wrap every block in a ``CheckpointWrapper`` running matepoint's or torch's checkpoint.
+
+    ``how="paired"`` wraps them through the same machinery as
+    :func:`matepoint.integrations.apply_matepoint_checkpointing` (torch's
+    ``apply_activation_checkpointing`` and ``checkpoint_wrapper``), with a
+    :class:`CheckpointSwitch` as the checkpoint function, and returns the switch.
+    """
 
     def is_block(module: nn.Module) -> bool:
         return isinstance(module, block_type)
@@ -200,6 +293,18 @@ def _checkpoint_blocks(model: nn.Module, block_type: type[nn.Module], how: str) 
         )
 
         apply_activation_checkpointing(model, check_fn=is_block)
+    elif how == "paired":
+        switch = CheckpointSwitch()
+        matepoint_compat.torch_apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(
+                matepoint_compat.torch_checkpoint_wrapper, checkpoint_fn=switch
+            ),
+            check_fn=is_block,
+            auto_wrap_policy=None,
+        )
+        return switch
+    return None
 
 
 def _global_batch(args: argparse.Namespace, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -400,11 +505,94 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             dist.destroy_process_group()
 
 
+def _schedule(args: argparse.Namespace) -> list[str]:
+    """The checkpoint each step runs: ``--steps`` times the one asked, or paired warm-up + rounds.
+
+    Paired: the warm-up alternates the two checkpoints; round ``r`` runs each once, in
+    :func:`matepoint_examples._paired.round_order` (rotated by one every round), so neither
+    always runs first or always follows the other.
+    """
+    if args.checkpoint != "paired":
+        return [args.checkpoint] * args.steps
+    warmup = [PAIRED[i % len(PAIRED)] for i in range(args.warmup)]
+    return warmup + [name for r in range(args.rounds) for name in round_order(PAIRED, r)]
+
+
+def _barrier(device: torch.device) -> None:
+    """A barrier over all ranks, on this rank's GPU under NCCL."""
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def paired_summary(
+    strategies: Sequence[str], seconds_per_rank: Sequence[Sequence[float]], warmup: int
+) -> dict[str, Any]:
+    """Summarize a paired run: per checkpoint the median step, and matepoint's ratio to torch.
+
+    A step's time is the largest over ranks (see ``_train``). The steps after the warm-up form
+    rounds of one step per checkpoint in :data:`PAIRED`; the ratio is the median of the rounds'
+    ``matepoint / torch``, with the first and third quartiles (``statistics.quantiles``,
+    inclusive, as ``matepoint-bench`` reports them) and their difference ``iqr``.
+
+    Args:
+        strategies: The checkpoint of every step, warm-up included.
+        seconds_per_rank: Per rank, every step's time in seconds, in the same order.
+        warmup: How many steps at the start are warm-up (not timed into the summary).
+
+    Returns:
+        A JSON-ready dict: ``median_step_seconds``, ``ratio`` (``median``, ``q1``, ``q3``,
+        ``iqr``, ``rounds``), ``per_round_ratios``, ``round_seconds`` and the schedule.
+
+    Raises:
+        ValueError: If a round is incomplete or runs a checkpoint twice, or no round was timed.
+    """
+    reference, measured = PAIRED
+    seconds = [max(rank[i] for rank in seconds_per_rank) for i in range(len(strategies))]
+    timed = list(zip(strategies[warmup:], seconds[warmup:], strict=True))
+    if not timed or len(timed) % len(PAIRED):
+        raise ValueError(f"{len(timed)} timed steps do not make whole rounds of {len(PAIRED)}")
+    rounds: list[dict[str, Any]] = []
+    for start in range(0, len(timed), len(PAIRED)):
+        steps = timed[start : start + len(PAIRED)]
+        if sorted(name for name, _ in steps) != sorted(PAIRED):
+            raise ValueError(f"round {start // len(PAIRED)} ran {[n for n, _ in steps]}")
+        rounds.append({"first": steps[0][0], **dict(steps)})
+    ratios = [row[measured] / row[reference] for row in rounds]
+    q1, median, q3 = quartiles(ratios)
+    return {
+        "strategies": list(PAIRED),
+        "reference": reference,
+        "warmup_steps": warmup,
+        "rounds": len(rounds),
+        "timing": (
+            "forward + backward + optimizer step, between device synchronizes; under "
+            "torchrun every rank starts the step after a barrier and the step's time is the "
+            "largest over ranks"
+        ),
+        "step_strategy": list(strategies),
+        "median_step_seconds": {
+            name: statistics.median(row[name] for row in rounds) for name in PAIRED
+        },
+        "ratio": {
+            "of": f"{measured}/{reference}",
+            "median": median,
+            "q1": q1,
+            "q3": q3,
+            "iqr": q3 - q1,
+            "rounds": len(ratios),
+        },
+        "per_round_ratios": ratios,
+        "round_seconds": rounds,
+    }
+
+
 def _train(
     args: argparse.Namespace, device: torch.device, rank: int, world: int
 ) -> dict[str, Any] | None:
     model, block_type = _build_model(args)
-    _checkpoint_blocks(model, block_type, args.checkpoint)
+    switch = _checkpoint_blocks(model, block_type, args.checkpoint)
     model.to(device)
     model = _distribute(model, args, device, world)
     optimizer: torch.optim.Optimizer
@@ -420,11 +608,14 @@ def _train(
         if args.dtype == "bfloat16"
         else contextlib.nullcontext()
     )
+    # matepoint's session only sets up its transport (on a CPU); torch's checkpoint ignores it,
+    # so a paired run keeps it open around the steps of both.
     session = (
         get_strategy("matepoint").session(device)
-        if args.checkpoint == "matepoint"
+        if args.checkpoint in ("matepoint", "paired")
         else contextlib.nullcontext()
     )
+    schedule = _schedule(args)
     losses: list[float] = []
     grad_norms: list[float] = []
     step_seconds: list[float] = []
@@ -432,8 +623,21 @@ def _train(
     activation_bytes: list[int | None] = []
     with session:
         matepoint.reset_stats()
-        for _ in range(args.steps):
+        for strategy in schedule:
+            if switch is not None:
+                switch.current = strategy
             inputs, target = (t[rows].to(device) for t in _global_batch(args, generator))
+            if switch is not None and world > 1:
+                # Paired timing over ranks: every rank starts the step together, after a
+                # barrier, and times it on its own between device synchronizes; the report takes
+                # the largest time over ranks. A data-parallel step is over only when the last
+                # rank's is, and the optimizer step after the last all-reduce runs on each rank
+                # unsynchronized, so rank 0's time alone could miss a slower rank's tail. The
+                # barrier (untimed) keeps one step's skew between ranks, which the next step's
+                # first collective would absorb as waiting, out of the next step, which in a
+                # paired run belongs to the other checkpoint half of the time.
+                synchronize(device)
+                _barrier(device)
             synchronize(device)
             start = time.perf_counter()
             before = _allocated(device)
@@ -443,11 +647,13 @@ def _train(
             held_after_forward.append(after)
             activation_bytes.append(None if after is None or before is None else after - before)
             loss.backward()  # type: ignore[no-untyped-call,unused-ignore]
-            grad_norms.append(_grad_norm(model, sharded=args.mode == "fsdp2"))
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             synchronize(device)
             step_seconds.append(time.perf_counter() - start)
+            # Outside the timed span (it copies to the host once per parameter). SGD and AdamW
+            # read ``.grad`` and never write it, so this is the norm the step just used.
+            grad_norms.append(_grad_norm(model, sharded=args.mode == "fsdp2"))
+            optimizer.zero_grad(set_to_none=True)
             mean_loss = loss.detach().float()
             if world > 1:
                 dist.all_reduce(mean_loss)
@@ -474,6 +680,11 @@ def _train(
     params = _full_params(model)
     if rank != 0:
         return None
+    paired = (
+        paired_summary(schedule, [r["step_seconds"] for r in ranks], args.warmup)
+        if switch is not None
+        else None
+    )
     report: dict[str, Any] = {
         "model": args.model,
         "mode": args.mode,
@@ -489,10 +700,19 @@ def _train(
         "losses": losses,
         "grad_norms": grad_norms,
         "final_grad_norm": grad_norms[-1],
-        "step_seconds_median": statistics.median(step_seconds[1:] or step_seconds),
+        # Paired: over the timed steps of both checkpoints (see "paired" for each one's).
+        "step_seconds_median": (
+            statistics.median(step_seconds[1:] or step_seconds)
+            if paired is None
+            else statistics.median(
+                t for row in paired["round_seconds"] for t in (row[n] for n in PAIRED)
+            )
+        ),
         "param_checksums": _checksums(params),
         "ranks": ranks,
     }
+    if paired is not None:
+        report["paired"] = paired
     if args.save_params is not None:
         torch.save(params, args.save_params)
     if args.compare_to is not None:
@@ -504,6 +724,18 @@ def _train(
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
+
+
+def paired_line(paired: dict[str, Any]) -> str:
+    """One line for a paired run: the ratio with its interquartile range, and the medians."""
+    ratio = paired["ratio"]
+    medians = ", ".join(
+        f"{name} {seconds * 1e3:.2f} ms" for name, seconds in paired["median_step_seconds"].items()
+    )
+    return (
+        f"paired {ratio['of']}: {ratio['median']:.4f} (IQR {ratio['q1']:.4f}-{ratio['q3']:.4f}, "
+        f"{ratio['rounds']} rounds); median step: {medians}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -534,7 +766,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if "comparison" in report:
         summary["comparison"] = report["comparison"]
+    if "paired" in report:
+        summary["paired_ratio"] = report["paired"]["ratio"]
+        summary["paired_median_step_seconds"] = report["paired"]["median_step_seconds"]
     print(json.dumps(summary, indent=2))
+    if "paired" in report:
+        print(paired_line(report["paired"]))
     if "comparison" in report and not report["comparison"]["allclose"]:
         return 1
     return 0
