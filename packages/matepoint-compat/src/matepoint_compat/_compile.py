@@ -13,15 +13,15 @@ forward and back before backward needs them. Every private torch symbol this tak
   asks the partitioner's offloading (``enable_activation_offloading``,
   ``torch._functorch._activation_offloading``) to move it.
 - Nodes of a checkpoint region carry ``meta["ac_graph_id"]`` (one id per region) in the joint
-  graph; torch 2.13 tags vanilla checkpoints through the same path as selective ones.
+  graph; torch 2.11 and later tag vanilla checkpoints through the same path as selective ones.
 - ``torch._dynamo.assume_constant_result`` makes Dynamo call a function for real while tracing,
   which is when the pass has to be installed (before AOTAutograd reads the config).
 - AOTAutograd's cache key sees neither annotations nor matepoint's settings, only the graph and
   the ``cache_hash`` of a checkpoint's ``context_fn``: a ``context_fn`` equivalent to torch's
   vanilla one carries matepoint's choices into the key.
 
-All of it is checked on torch 2.13; on older releases matepoint keeps its eager path under
-compile (a graph break per checkpoint). Gate ``COMPILED_OFFLOAD``.
+All of it is checked on torch 2.11, 2.12 and 2.13; on older releases matepoint keeps its eager
+path under compile (a graph break per checkpoint). Gate ``COMPILED_OFFLOAD``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from matepoint_compat._version import TORCH_2_13_PLUS
+from matepoint_compat._version import TORCH_2_11_PLUS
 
 __all__ = [
     "COMPILED_OFFLOAD",
@@ -46,6 +46,7 @@ __all__ = [
     "mark_for_offload",
     "nbytes_hint",
     "offloaded_nodes",
+    "producers_outside_regions",
     "recompute_all_context_fn",
     "region_inputs",
     "run_at_trace_time",
@@ -69,7 +70,7 @@ def _functorch_config() -> Any:
 
 
 def _has_compiled_offload() -> bool:
-    if not TORCH_2_13_PLUS:
+    if not TORCH_2_11_PLUS:
         return False
     fx_traceback: Any = torch.fx.traceback
     config = _functorch_config()
@@ -85,7 +86,7 @@ def _has_compiled_offload() -> bool:
 COMPILED_OFFLOAD: bool = _has_compiled_offload()
 """Whether a whole-model compile can trace matepoint's checkpoint and offload its inputs.
 
-True from torch 2.13 on (the release the mechanism above is checked on) where all of its pieces
+True from torch 2.11 on (the releases the mechanism above is checked on) where all of its pieces
 exist. Where False, ``matepoint.checkpoint`` runs eagerly under compile, as before: Dynamo
 graph-breaks at each call. The gate can become a plain version gate when the oldest supported
 torch has all of it.
@@ -139,7 +140,7 @@ def _recompute_all_contexts(cache_hash: str) -> tuple[Any, Any]:
 def recompute_all_context_fn(cache_hash: str) -> Callable[[], tuple[Any, Any]]:
     """A checkpoint ``context_fn`` that compiles exactly like none, with a cache identity.
 
-    torch 2.13 compiles a checkpoint given no ``context_fn`` as selective checkpointing with a
+    torch 2.11+ compiles a checkpoint given no ``context_fn`` as selective checkpointing with a
     policy that recomputes every op (``torch._higher_order_ops.wrap``); passing that same policy
     explicitly yields the same graph. AOTAutograd adds a ``context_fn``'s ``cache_hash`` to its
     cache key, so a compiled graph is cached per matepoint choice that shaped it. It is a
@@ -269,6 +270,31 @@ def nbytes_hint(value: torch.Tensor) -> int:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 
     return int(optimization_hint(nbytes, fallback=1 << 62))
+
+
+def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.Tensor]]:
+    """Yield the computed values a region input is made from outside every checkpoint region.
+
+    The partitioner may save one of them in place of the input and recompute the rest in
+    backward (a GPT's normed embedding ``x0``, read by every block, is saved as the embedding):
+    marking them too moves whichever it saves. The walk goes back only through nodes computed
+    outside the regions: a region node it reaches is yielded but not walked through, and graph
+    inputs (parameters, the model's inputs) are not yielded.
+    """
+    if "ac_graph_id" in node.meta:
+        return
+    pending = list(node.all_input_nodes)
+    seen: set[torch.fx.Node] = set()
+    while pending:
+        current = pending.pop()
+        if current in seen or current.op != "call_function":
+            continue
+        seen.add(current)
+        value = current.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            yield current, value
+        if "ac_graph_id" not in current.meta:
+            pending.extend(current.all_input_nodes)
 
 
 def mark_for_offload(node: torch.fx.Node) -> None:

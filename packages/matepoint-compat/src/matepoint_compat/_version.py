@@ -15,6 +15,7 @@ __all__ = [
     "TORCH_2_6_PLUS",
     "TORCH_2_8_PLUS",
     "TORCH_2_9_PLUS",
+    "TORCH_2_11_PLUS",
     "TORCH_2_12_PLUS",
     "TORCH_2_13_PLUS",
     "TORCH_2_14_PLUS",
@@ -61,6 +62,8 @@ TORCH_2_8_PLUS: bool = TORCH_VERSION >= (2, 8, 0)
 """``torch._C._autograd._top_saved_tensors_default_hooks`` (reads the hook stack): 2.8+."""
 TORCH_2_9_PLUS: bool = TORCH_VERSION >= (2, 9, 0)
 """``torch.utils.checkpoint.checkpoint`` takes ``early_stop=`` from 2.9 on."""
+TORCH_2_11_PLUS: bool = TORCH_VERSION >= (2, 11, 0)
+"""matepoint's compiled path (``_compile.COMPILED_OFFLOAD``) is checked from 2.11 on."""
 TORCH_2_12_PLUS: bool = TORCH_VERSION >= (2, 12, 0)
 """Checkpoint saves its inputs through ``frame.save_inputs`` (no 0-element dummy) from 2.12 on."""
 TORCH_2_13_PLUS: bool = TORCH_VERSION >= (2, 13, 0)

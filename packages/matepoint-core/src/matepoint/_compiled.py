@@ -150,7 +150,10 @@ def _mark_saved_inputs(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.
         wanted = [region for region in regions if _offloads(value, region["min_offload_bytes"])]
         if not wanted:
             continue
-        compat.mark_for_offload(node)
+        smallest = min(region["min_offload_bytes"] for region in wanted)
+        for marked_node, marked_value in [(node, value), *compat.producers_outside_regions(node)]:
+            if marked_node is node or _offloads(marked_value, smallest):
+                compat.mark_for_offload(marked_node)
         marked = True
         # A CPU "device" (the test transport) has no streams to overlap on.
         pipelined = (
