@@ -37,6 +37,9 @@ def test_registry_names_and_order() -> None:
         "torchtune",
         "matepoint",
         "matepoint-nopipeline",
+        "torch-compile",
+        "torch-compiled-offload",
+        "matepoint-compile",
         "copies-floor",
         "copies-floor-out",
         "copies-floor-refetch",
@@ -45,7 +48,12 @@ def test_registry_names_and_order() -> None:
     ]
     assert all(STRATEGIES[n].name == n for n in STRATEGIES)
     uses = {n for n, s in STRATEGIES.items() if s.uses_matepoint}
-    assert uses == {"matepoint", "matepoint-nopipeline", "matepoint-nowaittiming"}
+    assert uses == {
+        "matepoint",
+        "matepoint-nopipeline",
+        "matepoint-nowaittiming",
+        "matepoint-compile",
+    }
     probes = {n for n, s in STRATEGIES.items() if s.probe}
     assert probes == {
         "copies-floor-out",
@@ -53,7 +61,9 @@ def test_registry_names_and_order() -> None:
         "link-busy",
         "matepoint-nowaittiming",
     }
-    assert list(DEFAULT_STRATEGIES) == [n for n in STRATEGIES if n not in probes]
+    compiled = {n for n, s in STRATEGIES.items() if s.compiled is not None}
+    assert compiled == {"torch-compile", "torch-compiled-offload", "matepoint-compile"}
+    assert list(DEFAULT_STRATEGIES) == [n for n in STRATEGIES if n not in probes | compiled]
 
 
 def test_unknown_strategy_lists_known_names() -> None:
@@ -67,8 +77,11 @@ def test_torchtune_needs_cuda_or_package() -> None:
     assert "torchtune" in reason or "CUDA" in reason
 
 
+# The compiled strategies are tested compiled, in test_compiled.py.
 CPU_RUNNABLE = [
-    n for n, s in STRATEGIES.items() if n not in ("torch", "torchtune") and not s.needs_cuda
+    n
+    for n, s in STRATEGIES.items()
+    if n not in ("torch", "torchtune") and not s.needs_cuda and s.compiled is None
 ]
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "MEMORY_COLUMNS",
     "PAIRED_COLUMNS",
     "add_host_baselines",
+    "compile_notes",
     "notes",
     "plot_memory_vs_depth",
     "plot_step_time_ratio",
@@ -182,6 +183,43 @@ def notes(rows: Sequence[Row]) -> list[str]:
     )
 
 
+_COMPILE_FIELDS = ("backend", "calls", "first_forward_s", "graphs", "graph_breaks")
+
+
+def compile_notes(rows: Sequence[Row]) -> list[str]:
+    """Return one line per compiled strategy's row saying what the compiler did.
+
+    Args:
+        rows: Paired or memory results; rows with a ``compile`` entry are described.
+
+    Returns:
+        Lines like ``"gpt12 / torch-compile (paired): inductor, 1 graphs, 0 graph breaks,
+        first step (compiling) 61.0 s, of which forward 41.0 s, 0 graphs compiled after it"``.
+    """
+    lines = []
+    for r in rows:
+        c = r.get("compile")
+        if not c:
+            continue
+        after = c.get("graphs_after_first_forward")
+        extra = "".join(
+            f", {key} {value}"
+            for key, value in c.items()
+            if key not in _COMPILE_FIELDS and key != "graphs_after_first_forward"
+        )
+        same = r.get("ratio_to_torch_compile")
+        if same:
+            extra += ", step / torch-compile " + ratio_cell(same["median"], same["q1"], same["q3"])
+        lines.append(
+            f"{r.get('workload', '?')} / {r.get('strategy', '?')} ({r.get('mode', '?')}): "
+            f"{c.get('backend')}, {c.get('graphs')} graphs, {c.get('graph_breaks')} graph "
+            f"breaks, first step (compiling) {_num(r.get('compile_step_s'), '.1f')} s, of "
+            f"which forward {_num(c.get('first_forward_s'), '.1f')} s, {after} graphs compiled "
+            f"after it{extra}"
+        )
+    return lines
+
+
 def _rich(title: str, columns: Sequence[str], body: Sequence[list[str]]) -> Table:
     """Build a rich table with the first three columns left-aligned."""
     table = Table(title=title)
@@ -287,7 +325,7 @@ def write_markdown(
         out.append("Memory, one process per strategy:\n")
         out += _markdown_table(MEMORY_COLUMNS, [_memory_cells(r) for r in memory])
         out.append("")
-    missing = notes([*paired, *memory])
+    missing = notes([*paired, *memory]) + compile_notes([*paired, *memory])
     if missing:
         out += [f"- {line}" for line in missing]
     if transfer is not None:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 import matepoint
+from matepoint_examples._compiled import CompiledForward
 from matepoint_examples._runtime import (
     allocated_bytes,
     parameter_bytes,
@@ -123,13 +124,15 @@ def run_train(
     steps: int,
     warmup: int,
     timeline: bool = True,
+    compile_backend: str | None = None,
 ) -> dict[str, Any]:
     """Measure one strategy on one workload: step time, memory held, host RAM, offload stats.
 
     The step is forward plus backward (no optimizer, so every strategy does the same extra
     work). Device bytes held after forward are ``memory_allocated`` after forward and a
     synchronize minus the same before forward, where parameters and the batch are already
-    counted, so the number is what the forward pass left behind for backward.
+    counted, so the number is what the forward pass left behind for backward. A compiled
+    strategy compiles in its first warm-up step (one is run even with ``warmup=0``).
 
     Args:
         workload: The model shape.
@@ -137,7 +140,10 @@ def run_train(
         device: Where to run.
         steps: Timed steps (the median is reported).
         warmup: Untimed steps before them (these also fill pinned pools).
-        timeline: Whether to record one step's memory timeline (CUDA only). Default: ``True``.
+        timeline: Whether to record one step's memory timeline (CUDA only, not for a compiled
+            strategy: a compiled forward has no block boundaries to sample at). Default: ``True``.
+        compile_backend: ``torch.compile`` backend of a compiled strategy. Default: inductor on
+            CUDA, aot_eager elsewhere.
 
     Returns:
         A JSON-ready dict; ``status`` is ``"ok"``, ``"skipped"``, ``"oom"`` or ``"error"``.
@@ -163,7 +169,9 @@ def run_train(
         return {**result, "status": "skipped", "note": reason}
     try:
         with strategy.session(device):
-            result.update(_measure(workload, strategy, device, steps, warmup, timeline))
+            result.update(
+                _measure(workload, strategy, device, steps, warmup, timeline, compile_backend)
+            )
         result["status"] = "ok"
     except torch.cuda.OutOfMemoryError as exc:
         result.update(status="oom", note=str(exc).splitlines()[0][:300])
@@ -180,15 +188,23 @@ def _measure(
     steps: int,
     warmup: int,
     timeline: bool,
+    compile_backend: str | None,
 ) -> dict[str, Any]:
     """Do the measurements of :func:`run_train` inside the strategy's session."""
     built = build(workload, strategy.checkpoint_fn, device)
+    built = dataclasses.replace(
+        built, loss=strategy.forward_fn(built.loss, device, compile_backend)
+    )
+    compiled = isinstance(built.loss, CompiledForward)
     out: dict[str, Any] = {"param_bytes": parameter_bytes(built.model)}
     synchronize(device)
     rss_base = rss_bytes()
-    for _ in range(warmup):
+    for index in range(max(warmup, int(compiled))):
+        t0 = time.perf_counter()
         _one_step(built, strategy)
-    synchronize(device)
+        synchronize(device)
+        if compiled and index == 0:  # the compile step: how long compiling took
+            out["compile_step_s"] = time.perf_counter() - t0
 
     reset_peak(device)
     base_alloc = allocated_bytes(device)
@@ -243,8 +259,10 @@ def _measure(
             if out["bytes_offloaded"] and out["host_rss_delta_bytes"] is not None
             else None
         )
-    if timeline and device.type == "cuda":
+    if timeline and device.type == "cuda" and not compiled:
         out["timeline"] = _timeline(built, strategy, device)
+    if isinstance(built.loss, CompiledForward):
+        out["compile"] = built.loss.report()
     return out
 
 

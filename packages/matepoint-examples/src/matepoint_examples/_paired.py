@@ -10,11 +10,16 @@ interquartile range, is what the reports show.
 
 A step here is forward plus backward (timed), then an untimed optimizer step, so the model
 trains as it would and every strategy works on the same weights.
+
+A compiled strategy (``torch-compile`` and its kin) runs the same model through its own compiled
+forward (:meth:`Strategy.forward_fn`); each compiles in one untimed step before the warm-up
+rounds, so no compile time is ever timed, and its row says what the compiler did (``compile``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import statistics
@@ -29,11 +34,13 @@ import torch
 from torch import Tensor
 
 from matepoint_examples._bench_worker import environment
+from matepoint_examples._compiled import CompiledForward
 from matepoint_examples._runtime import synchronize
 from matepoint_examples._workloads import Built, Workload, build
 from matepoint_examples.strategies import Strategy, get_strategy
 
 __all__ = [
+    "COMPILED_REFERENCE",
     "METRICS",
     "REFERENCE",
     "StrategySwitch",
@@ -46,6 +53,9 @@ __all__ = [
 
 REFERENCE = "torch"
 """The strategy every ratio is taken against: ``torch.utils.checkpoint``."""
+
+COMPILED_REFERENCE = "torch-compile"
+"""The same-mode baseline of the compiled strategies: torch's checkpoint, compiled."""
 
 METRICS = ("step_s", "forward_host_s", "forward_gpu_s", "backward_gpu_s")
 """What each timed step records (GPU spans only on CUDA; see :func:`run_paired`)."""
@@ -200,6 +210,7 @@ def run_paired(
     rounds: int,
     warmup: int,
     trace: bool = False,
+    compile_backend: str | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every strategy on one model, alternating step by step, and summarize.
 
@@ -207,7 +218,8 @@ def run_paired(
     of memory or fails leaves the rotation (its row says why); the others go on. After the
     rounds, each strategy runs one more step with its counters reset (what it moved per step)
     and, with ``trace``, one step under ``torch.profiler`` with a synchronize between forward
-    and backward (kernel busy time and runtime calls per phase).
+    and backward (kernel busy time and runtime calls per phase). Compiled strategies compile in
+    one untimed step each before the warm-up rounds.
 
     Args:
         workload: The model shape.
@@ -216,11 +228,15 @@ def run_paired(
         rounds: Timed rounds.
         warmup: Untimed rounds before them (these also fill pinned pools and caches).
         trace: Add the profiled step. Default: ``False``.
+        compile_backend: ``torch.compile`` backend of the compiled strategies. Default:
+            inductor on CUDA, aot_eager elsewhere.
 
     Returns:
         One JSON-ready row per strategy: ``status``, per-round ``times``, the median
         ``step_time_s``, the per-round ``ratio`` to torch's checkpoint with ``ratio_q1`` and
-        ``ratio_q3``, the same for every metric under ``ratios``, and ``stats``/``trace``.
+        ``ratio_q3``, the same for every metric under ``ratios``, ``stats``/``trace``, and for
+        a compiled strategy ``compile`` (backend, graphs, graph breaks, recompiles) and, when
+        ``torch-compile`` ran too, ``ratio_to_torch_compile`` (the step's, same form).
     """
     common = {
         "mode": "paired",
@@ -261,19 +277,29 @@ def run_paired(
                     stack.enter_context(strategy.session(device))
             switch = StrategySwitch(active[0])
             built = build(workload, switch, device)
+            runs = {
+                s.name: dataclasses.replace(
+                    built, loss=s.forward_fn(built.loss, device, compile_backend)
+                )
+                for s in active
+            }
             optimizer = torch.optim.AdamW(
                 built.model.parameters(), lr=1e-4, fused=device.type == "cuda"
             )
             clock = _Clock(device)
-            _rounds(built, switch, optimizer, clock, active, rows, times, rounds, warmup)
+            _rounds(runs, switch, optimizer, clock, active, rows, times, rounds, warmup)
             live = [s for s in active if rows[s.name]["status"] == "ok"]
             for strategy in live:
-                _counted_step(built, switch, optimizer, clock, strategy, rows[strategy.name])
+                run = runs[strategy.name]
+                _counted_step(run, switch, optimizer, clock, strategy, rows[strategy.name])
             if trace:
                 for strategy in live:
                     switch.current = strategy
-                    rows[strategy.name]["trace"] = trace_step(built, strategy, device)
+                    rows[strategy.name]["trace"] = trace_step(runs[strategy.name], strategy, device)
                     optimizer.zero_grad(set_to_none=True)
+            for name, run in runs.items():
+                if isinstance(run.loss, CompiledForward):
+                    rows[name]["compile"] = run.loss.report()
     except Exception as exc:  # the model or a session failed: every row says so
         note = f"{type(exc).__name__}: {exc}"[:500]
         for row in rows.values():
@@ -284,7 +310,7 @@ def run_paired(
 
 
 def _rounds(
-    built: Built,
+    runs: Mapping[str, Built],
     switch: StrategySwitch,
     optimizer: torch.optim.Optimizer,
     clock: _Clock,
@@ -294,18 +320,24 @@ def _rounds(
     rounds: int,
     warmup: int,
 ) -> None:
-    """Run the warm-up and timed rounds of :func:`run_paired`, filling ``times``."""
+    """Run the compile step, the warm-up and the timed rounds of :func:`run_paired`.
+
+    The compile step runs each compiled strategy once (its first forward and backward compile;
+    the row keeps that step's time as ``compile_step_s``); the rounds then fill ``times``.
+    """
     by_name = {s.name: s for s in active}
-    for index in range(warmup + rounds):
-        timed = index >= warmup
+    schedule = [[s.name for s in active if s.compiled is not None]]
+    schedule += [round_order(list(by_name), index) for index in range(warmup + rounds)]
+    for index, order in enumerate(schedule):
+        timed = index > warmup
         measured: dict[str, dict[str, float | None] | None] = {}
-        for name in round_order(list(by_name), index):
+        for name in order:
             if rows[name]["status"] != "ok":
                 continue
             switch.current = by_name[name]
             failure: tuple[str, str] | None = None
             try:
-                measured[name] = _timed_step(built, by_name[name], optimizer, clock)
+                measured[name] = _timed_step(runs[name], by_name[name], optimizer, clock)
             except torch.cuda.OutOfMemoryError as exc:
                 failure = ("oom", str(exc).splitlines()[0][:300])
             except Exception as exc:
@@ -318,6 +350,9 @@ def _rounds(
         if timed:
             for name in by_name:
                 times[name].append(measured.get(name))
+        elif index == 0:  # the compile step: how long compiling took
+            for name, step in measured.items():
+                rows[name]["compile_step_s"] = None if step is None else step["step_s"]
 
 
 def _counted_step(
@@ -337,10 +372,20 @@ def _counted_step(
     row["stats"] = strategy.stats()
 
 
+def _ratio_summary(values: Sequence[float]) -> dict[str, float | int]:
+    """Return the median and quartiles of per-round ratios, and how many rounds."""
+    q1, median, q3 = quartiles(values)
+    return {"median": median, "q1": q1, "q3": q3, "rounds": len(values)}
+
+
 def _summarize(
     rows: dict[str, dict[str, Any]], times: Mapping[str, Sequence[dict[str, float | None] | None]]
 ) -> None:
-    """Add medians and per-round ratios (median and quartiles) to every row."""
+    """Add medians and per-round ratios (median and quartiles) to every row.
+
+    A compiled strategy's step is also divided by ``torch-compile``'s (the same-mode baseline)
+    when that ran.
+    """
     for name, steps in times.items():
         rows[name]["times"] = [dict(t) if t is not None else None for t in steps]
     for metric in METRICS:
@@ -355,13 +400,11 @@ def _summarize(
             if present:
                 row.setdefault("medians_s", {})[metric] = statistics.median(present)
             if ratios.get(name):
-                q1, median, q3 = quartiles(ratios[name])
-                row.setdefault("ratios", {})[metric] = {
-                    "median": median,
-                    "q1": q1,
-                    "q3": q3,
-                    "rounds": len(ratios[name]),
-                }
+                row.setdefault("ratios", {})[metric] = _ratio_summary(ratios[name])
+        if metric == "step_s":
+            for name, same_mode in per_round_ratios(series, COMPILED_REFERENCE).items():
+                if same_mode and "compile" in rows[name]:
+                    rows[name]["ratio_to_torch_compile"] = _ratio_summary(same_mode)
     for row in rows.values():
         step = row.get("ratios", {}).get("step_s")
         row["step_time_s"] = row.get("medians_s", {}).get("step_s")

@@ -68,8 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         "--strategies",
         type=_csv,
         default=list(DEFAULT_STRATEGIES),
-        help=f"comma-separated, from: {', '.join(STRATEGIES)} (default: all but the probes: "
-        f"{','.join(DEFAULT_STRATEGIES)}); {REFERENCE} is added to paired runs if missing",
+        help=f"comma-separated, from: {', '.join(STRATEGIES)} (default: all but the probes "
+        f"and the compiled ones: {','.join(DEFAULT_STRATEGIES)}); {REFERENCE} is added to "
+        "paired runs if missing",
     )
     p.add_argument(
         "--rounds", type=int, help="paired: timed rounds, one step per strategy (15; 3 --quick)"
@@ -94,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per subprocess (900)")
     p.add_argument("--no-timeline", action="store_true", help="skip the memory-timeline step")
+    p.add_argument(
+        "--compile-backend",
+        help="torch.compile backend of the compiled strategies (default: inductor on CUDA, "
+        "aot_eager without)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     for name in _OVERRIDES:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, help=argparse.SUPPRESS)
@@ -114,13 +120,25 @@ def _worker_main(args: argparse.Namespace) -> int:
     elif args.worker == "paired":
         workload = get_workload(args.workload).with_overrides(**overrides)
         rows = run_paired(
-            workload, args.strategies, device, args.rounds, args.warmup, trace=args.trace
+            workload,
+            args.strategies,
+            device,
+            args.rounds,
+            args.warmup,
+            trace=args.trace,
+            compile_backend=args.compile_backend,
         )
         result = {"mode": "paired", "rows": rows}
     else:
         workload = get_workload(args.workload).with_overrides(**overrides)
         result = run_train(
-            workload, args.strategy, device, args.steps, args.warmup, timeline=not args.no_timeline
+            workload,
+            args.strategy,
+            device,
+            args.steps,
+            args.warmup,
+            timeline=not args.no_timeline,
+            compile_backend=args.compile_backend,
         )
     sys.stdout.write(json.dumps(result, default=str) + "\n")
     sys.stdout.flush()
@@ -221,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     common = ["--device", str(device), "--warmup", str(args.warmup)]
     common += ["--quick"] * args.quick + ["--no-timeline"] * args.no_timeline
+    if args.compile_backend:
+        common += ["--compile-backend", args.compile_backend]
     for name in _OVERRIDES:
         if getattr(args, name) is not None:
             common += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -272,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(report.rich_paired_table(paired))
     if memory:
         console.print(report.rich_memory_table(memory))
-    for line in report.notes([*paired, *memory]):
+    for line in report.notes([*paired, *memory]) + report.compile_notes([*paired, *memory]):
         console.print(f"[dim]{line}[/]", highlight=False)
     if transfer is not None:
         console.print("[bold]Transfer-bound micro-benchmark[/]")

@@ -7,6 +7,11 @@ around a whole run (matepoint on a CPU, where a test transport makes CPU tensors
 tensors so the offload path really runs). Because a strategy is only these three things, one
 model can run under several strategies in turn, which is how ``matepoint-bench`` pairs them.
 
+Three strategies compile the whole model with ``torch.compile`` (``torch-compile``,
+``torch-compiled-offload``, ``matepoint-compile``); a strategy's ``compiled`` spec says how, and
+:meth:`Strategy.forward_fn` gives each its own compiled forward of a model (see
+:mod:`matepoint_examples._compiled`).
+
 Besides the peers, the registry holds probes (``probe=True``, run only when named): the
 copies-only floor and its variants (see :mod:`matepoint_examples._floor`), a forward with the
 link kept busy, and matepoint with one feature switched off.
@@ -27,6 +32,15 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 import matepoint
+import matepoint_compat
+from matepoint_examples._compiled import (
+    MARKS,
+    CompiledForward,
+    CompileSpec,
+    torch_offload_session,
+    torch_offload_settings,
+    torch_offload_unavailable,
+)
 from matepoint_examples._floor import CopyFloor, LinkBusy
 from matepoint_examples.models import CheckpointFn, no_checkpoint
 
@@ -95,6 +109,29 @@ def _matepoint_session(device: torch.device) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _matepoint_compiled_session(device: torch.device) -> Iterator[None]:
+    """matepoint's session with its opt-in compiled path on (``compiled_offload=True``).
+
+    Where the installed torch lacks what the compiled path takes
+    (``matepoint_compat.COMPILED_OFFLOAD``), matepoint runs eagerly under compile, with a
+    graph break at each checkpoint; the strategy's row says which.
+    """
+    with _matepoint_session(device), matepoint.options(compiled_offload=True):
+        yield
+
+
+def _matepoint_compiled_report() -> dict[str, Any]:
+    """Say whether matepoint's compiled path was taken (its session switches it on)."""
+    taken = matepoint_compat.COMPILED_OFFLOAD
+    return {"matepoint_path": "compiled" if taken else "eager, graph breaks"}
+
+
+def _torch_offload_report() -> dict[str, Any]:
+    """Return what the offload pass marked in the graphs compiled so far (JSON-ready)."""
+    return {"marked_for_offload": MARKS.values, "marked_bytes": MARKS.bytes}
+
+
 def _save_on_cpu() -> AbstractContextManager[object]:
     """Return torch's ``save_on_cpu(pin_memory=True)``, the built-in peer."""
     return torch.autograd.graph.save_on_cpu(pin_memory=True)
@@ -124,6 +161,7 @@ class Strategy:
         stats: Returns the strategy's own counters of what it moved (JSON-ready), if it has any.
         reset_stats: Sets those counters back to zero.
         probe: A diagnostic variant, not a way anyone would train: run only when named.
+        compiled: How the strategy compiles the whole model, or ``None`` (eager).
     """
 
     name: str
@@ -137,6 +175,7 @@ class Strategy:
     stats: Callable[[], dict[str, Any]] | None = None
     reset_stats: Callable[[], None] | None = None
     probe: bool = False
+    compiled: CompileSpec | None = None
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Say why the strategy cannot run on ``device``, or ``None`` if it can.
@@ -152,7 +191,28 @@ class Strategy:
                 return f"{module} is not installed (pip install {module})"
         if self.needs_cuda and device.type != "cuda":
             return "needs a CUDA device"
+        if self.compiled is not None:
+            return self.compiled.unavailable(device)
         return None
+
+    def forward_fn(
+        self, loss: Callable[[], Tensor], device: torch.device, backend: str | None = None
+    ) -> Callable[[], Tensor]:
+        """Return what runs one forward of a model under this strategy.
+
+        Args:
+            loss: The model's forward (returns the loss).
+            device: Where the model runs.
+            backend: The ``torch.compile`` backend of a compiled strategy. Default: inductor on
+                CUDA, aot_eager elsewhere.
+
+        Returns:
+            ``loss`` itself, or for a compiled strategy a :class:`CompiledForward` of it (its
+            own compiled copy: call it once, untimed, to compile).
+        """
+        if self.compiled is None:
+            return loss
+        return CompiledForward(loss, self.name, self.compiled, device, backend)
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -191,6 +251,33 @@ STRATEGIES: dict[str, Strategy] = {
             uses_matepoint=True,
             stats=_matepoint_stats,
             reset_stats=matepoint.reset_stats,
+        ),
+        Strategy(
+            "torch-compile",
+            "torch.utils.checkpoint around each block, the whole model under torch.compile",
+            _torch_checkpoint,
+            compiled=CompileSpec(),
+        ),
+        Strategy(
+            "torch-compiled-offload",
+            "torch-compile plus torch's compiled activation offloading of the block inputs",
+            _torch_checkpoint,
+            session=torch_offload_session,
+            compiled=CompileSpec(
+                settings=torch_offload_settings,
+                unavailable=torch_offload_unavailable,
+                report=_torch_offload_report,
+            ),
+        ),
+        Strategy(
+            "matepoint-compile",
+            "matepoint.checkpoint, the whole model under torch.compile (compiled_offload=True)",
+            _matepoint_checkpoint,
+            session=_matepoint_compiled_session,
+            uses_matepoint=True,
+            stats=_matepoint_stats,
+            reset_stats=matepoint.reset_stats,
+            compiled=CompileSpec(report=_matepoint_compiled_report),
         ),
         Strategy(
             "copies-floor",
@@ -244,8 +331,11 @@ STRATEGIES: dict[str, Strategy] = {
 }
 """Every strategy by name, in the order tables show them."""
 
-DEFAULT_STRATEGIES = tuple(name for name, s in STRATEGIES.items() if not s.probe)
-"""What ``matepoint-bench`` runs unless told otherwise: every strategy but the probes."""
+DEFAULT_STRATEGIES = tuple(
+    name for name, s in STRATEGIES.items() if not s.probe and s.compiled is None
+)
+"""What ``matepoint-bench`` runs unless told otherwise: every strategy but the probes and the
+compiled ones (a whole-model compile of a deep stack takes minutes: name them to run them)."""
 
 
 def strategy_names() -> list[str]:
