@@ -20,6 +20,7 @@ from matepoint_compat._checkpoint import (
 )
 from matepoint_compat._compile import (
     COMPILED_OFFLOAD,
+    COMPILED_OFFLOAD_STREAMS,
     annotate_offload,
     compile_tracing,
     compiled_offload_config,
@@ -63,6 +64,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "COMPILED_OFFLOAD",
+    "COMPILED_OFFLOAD_STREAMS",
     "CUDA_FUSED_RMS_NORM",
     "TORCH_2_5_PLUS",
     "TORCH_2_6_PLUS",

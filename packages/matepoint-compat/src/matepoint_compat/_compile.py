@@ -35,10 +35,11 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from matepoint_compat._version import TORCH_2_11_PLUS
+from matepoint_compat._version import TORCH_2_11_PLUS, TORCH_2_13_PLUS
 
 __all__ = [
     "COMPILED_OFFLOAD",
+    "COMPILED_OFFLOAD_STREAMS",
     "annotate_offload",
     "compile_tracing",
     "compiled_offload_config",
@@ -90,6 +91,17 @@ True from torch 2.11 on (the releases the mechanism above is checked on) where a
 exist. Where False, ``matepoint.checkpoint`` runs eagerly under compile, as before: Dynamo
 graph-breaks at each call. The gate can become a plain version gate when the oldest supported
 torch has all of it.
+"""
+
+
+COMPILED_OFFLOAD_STREAMS: bool = TORCH_2_13_PLUS
+"""Whether the compiled path may copy on torch's transfer stream (``pipeline=True``).
+
+On torch 2.11 (checked on an H200), inductor fails to compile torch's separate-stream offload
+(``streams.record_stream``'s fake implementation lacks an argument), for torch's own use of it
+as for matepoint's; synchronous copies compile and run there. So before 2.13 the compiled path
+copies synchronously on the compute stream whatever ``pipeline`` says. From 2.13 the transfer
+stream is used (checked on the CPU only). Gate can go when 2.13 is the oldest supported torch.
 """
 
 
@@ -203,6 +215,7 @@ def compiled_offload_config(*, pipelined: bool) -> None:
     settings, read by the partitioner right after the joint pass; they act only on marked values.
     """
     config = _functorch_config()
+    pipelined = pipelined and COMPILED_OFFLOAD_STREAMS
     config.activation_offload_separate_stream = pipelined
     config.activation_offload_sink_wait = False
     config.activation_reload_prefetch = pipelined

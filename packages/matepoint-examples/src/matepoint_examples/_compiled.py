@@ -215,7 +215,9 @@ def torch_offload_settings(device: torch.device) -> dict[str, Any]:
     forward wait to the end of the graph, which keeps every offloaded value on the device until
     the whole forward ends (torch's own docstring says so for a whole-model compile), so device
     memory would grow with depth as under plain checkpointing. On a CPU the copies are
-    synchronous (no streams).
+    synchronous (no streams), and so they are before torch 2.13, whose inductor fails to compile
+    the transfer stream's ``streams.record_stream`` (seen on torch 2.11;
+    ``matepoint_compat.COMPILED_OFFLOAD_STREAMS``).
 
     Args:
         device: Where the model runs.
@@ -223,7 +225,7 @@ def torch_offload_settings(device: torch.device) -> dict[str, Any]:
     Returns:
         The changes to ``torch._functorch.config``.
     """
-    cuda = device.type == "cuda"
+    cuda = device.type == "cuda" and matepoint_compat.COMPILED_OFFLOAD_STREAMS
     return {
         "enable_activation_offloading": True,
         "activation_offload_separate_stream": cuda,
