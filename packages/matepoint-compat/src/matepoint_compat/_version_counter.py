@@ -41,7 +41,7 @@ def version_witness(tensor: torch.Tensor) -> torch.Tensor:
     See Note [Version witness]. ``set_()`` on the detached alias is itself an in-place call that
     bumps the shared counter; ``torch._C._autograd._unsafe_set_version_counter`` (what
     ``torch.autograd.graph``'s ``_unsafe_preserve_version_counter`` calls, checked on 2.4 to
-    2.15; it took one tensor and one version on 2.4, tuples of them later) puts it back, so
+    2.15; it took one tensor and one version on 2.4, tuples of them on 2.13) puts it back, so
     neither the user's tensor nor any other saved tensor of theirs sees a version change. This
     runs once per offload on the forward's host path, so it calls torch directly rather than
     through two context managers.

@@ -259,7 +259,7 @@ def checkpoint(
         if args:
             raise TypeError("checkpoint() got positional arguments but no function to run")
         return _decorator(use_reentrant=use_reentrant, pipeline=pipeline, offload=offload, **kwargs)
-    # See Note [The compiled path] (matepoint/_compiled.py); opt-in until measured on a GPU.
+    # See Note [The compiled path] (matepoint/_compiled.py); experimental and opt-in.
     if compat.compile_tracing() and get_options().compiled_offload:
         return _compiled.checkpoint(
             function, args, kwargs, use_reentrant=use_reentrant, pipeline=pipeline, offload=offload

@@ -72,12 +72,12 @@ class OffloadSettings:
             Default: ``"pageable"``.
         measure_waits: Record device events around each wait of the compute stream, to report the
             time it waited for copies back (``compute_wait_seconds``). Default: ``True``.
-        compiled_offload: Experimental. Under a whole-model ``torch.compile`` (torch 2.13 and
+        compiled_offload: Experimental. Under a whole-model ``torch.compile`` (torch 2.11 and
             newer), trace each checkpoint without a graph break and let the compiler copy its
-            saved inputs to the host (see Note [The compiled path] in ``matepoint._compiled``).
-            Off: the compiled model breaks the graph at each checkpoint, which runs eagerly
-            with matepoint's engine. It stays off by default until it has been measured on a
-            GPU. Default: ``False``.
+            saved inputs to the host (see Note [The compiled path] in ``matepoint._compiled``);
+            before torch 2.13 the copies are synchronous. Off: the compiled model breaks the
+            graph at each checkpoint, which runs eagerly with matepoint's engine. Off by
+            default while it is experimental. Default: ``False``.
 
     Raises:
         ValueError: If a count is not an ``int >= 0`` (a ``bool`` is refused), if
