@@ -43,6 +43,7 @@ __all__ = [
     "annotate_offload",
     "compile_tracing",
     "compiled_offload_config",
+    "forward_nodes",
     "install_joint_pass",
     "mark_for_offload",
     "nbytes_hint",
@@ -225,7 +226,7 @@ def _is_tangent(node: torch.fx.Node) -> bool:
     return node.op == "placeholder" and "tangents" in str(node.target)
 
 
-def _forward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+def forward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """The nodes of a joint graph that do not depend on a tangent (its forward part)."""
     backward: set[torch.fx.Node] = set()
     forward: set[torch.fx.Node] = set()
@@ -252,7 +253,7 @@ def region_inputs(
         ``(node, example value, annotations)``: the value's fake tensor and the annotation of
         every matepoint region that reads it.
     """
-    forward = _forward_nodes(graph.graph)
+    forward = forward_nodes(graph.graph)
     for node in graph.graph.nodes:
         if node.op != "call_function" or node not in forward:
             continue

@@ -115,22 +115,6 @@ def default_backend(device: torch.device) -> str:
     return "inductor" if device.type == "cuda" else "aot_eager"
 
 
-def _is_tangent(node: torch.fx.Node) -> bool:
-    return node.op == "placeholder" and "tangents" in str(node.target)
-
-
-def _forward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The nodes of a joint graph that depend on no tangent: its forward part."""
-    backward: set[torch.fx.Node] = set()
-    forward: set[torch.fx.Node] = set()
-    for node in graph.nodes:
-        if _is_tangent(node) or any(arg in backward for arg in node.all_input_nodes):
-            backward.add(node)
-        else:
-            forward.add(node)
-    return forward
-
-
 @dataclass
 class _Marks:
     """What :func:`mark_checkpoint_inputs` marked in the graphs compiled so far."""
@@ -177,7 +161,7 @@ def mark_checkpoint_inputs(gm: torch.fx.GraphModule, joint_inputs: Any) -> torch
         ``gm``, marked.
     """
     del joint_inputs
-    forward = _forward_nodes(gm.graph)
+    forward = matepoint_compat.forward_nodes(gm.graph)
     pending = [
         node
         for node in gm.graph.nodes
