@@ -76,8 +76,9 @@ def set_current_stream(module: Any, stream: Any) -> None:
 def delay_stream(stream: Any, cycles: int) -> None:
     """Queue a busy-wait of ``cycles`` GPU cycles on ``stream`` (a debug knob for race probes).
 
-    Uses ``torch.cuda._sleep``, which torch has kept private on every release; without it the
-    delay is skipped (the probe then tests less, it never breaks a run).
+    Uses ``torch.cuda._sleep``, which torch has kept private on every release (present on 2.4 to
+    2.15; run by the GPU tests on 2.11); without it the delay is skipped (the probe then tests
+    less, it never breaks a run).
     """
     if cycles <= 0 or stream.device.type != "cuda":
         return
@@ -131,7 +132,9 @@ def storage_use_count(tensor: torch.Tensor) -> int | None:
     """Return how many tensors share ``tensor``'s storage, or None where torch cannot tell.
 
     matepoint reports offloads that freed no device memory (the storage is kept alive elsewhere).
-    torch offers the count only through the private ``torch._C._storage_Use_Count``.
+    torch offers the count only through the private ``torch._C._storage_Use_Count``, present on
+    every release from 2.4 to 2.15 (checked by the test matrix); where a release lacks it, the
+    count is None and only that report loses it.
     """
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:

@@ -78,6 +78,10 @@ def saved_tensors_hooks_active() -> bool:
 def saved_tensors_hooks_enabled() -> bool:
     """Return whether saved-tensor hooks may be pushed here (torch disables them in some tracing).
 
+    torch answers through the private ``torch._C._autograd._saved_tensors_hooks_is_enabled``
+    (2.4 to 2.15 have it, checked by the test matrix); a release without it is taken as always
+    enabled, which is what torch did before it could disable them.
+
     Returns:
         False where pushing ``saved_tensors_hooks`` would raise.
     """
