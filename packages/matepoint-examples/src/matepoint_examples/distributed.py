@@ -47,7 +47,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import math
 import statistics
 import sys
 import time
@@ -58,13 +57,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import Tensor, nn
 
 import matepoint
 import matepoint_compat
-from matepoint.integrations import apply_matepoint_checkpointing, matepoint_checkpoint_fn
-from matepoint_examples._paired import quartiles, round_order
+from matepoint.integrations import apply_matepoint_checkpointing
+from matepoint_examples._distributed_paired import (
+    PAIRED,
+    CheckpointSwitch,
+    paired_line,
+    paired_summary,
+    step_schedule,
+)
+from matepoint_examples._distributed_params import (
+    checksums,
+    compare_params,
+    full_params,
+    grad_norm,
+)
 from matepoint_examples._runtime import rss_bytes, synchronize
 from matepoint_examples.models import (
     DeepLatentConfig,
@@ -90,9 +100,6 @@ __all__ = [
 
 MODES = ("single", "ddp", "fsdp2")
 CHECKPOINTS = ("matepoint", "torch", "none", "paired")
-PAIRED = ("torch", "matepoint")
-"""What ``--checkpoint paired`` alternates; the first is the reference of the ratio."""
-_WRAPPED_PREFIX = "_checkpoint_wrapped_module."
 
 
 def fully_shard_fn() -> Callable[..., Any] | None:
@@ -230,47 +237,6 @@ def _build_model(args: argparse.Namespace) -> tuple[nn.Module, type[nn.Module]]:
     return NanoGPT(gpt), GPTBlock
 
 
-class CheckpointSwitch:
-    """A checkpoint function that runs torch's or matepoint's, whichever is current at call time.
-
-    ``--checkpoint paired`` wraps every block in torch's ``CheckpointWrapper`` with this as its
-    ``checkpoint_fn``; setting :attr:`current` changes how the blocks are checkpointed from the
-    next call on. The two functions are exactly what ``--checkpoint torch`` and ``--checkpoint
-    matepoint`` install: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` and
-    :func:`matepoint.integrations.matepoint_checkpoint_fn` (``matepoint.checkpoint``,
-    non-reentrant).
-
-    Args:
-        current: The checkpoint to start with, one of :data:`PAIRED`.
-    """
-
-    def __init__(self, current: str = PAIRED[0]) -> None:
-        self.functions: dict[str, Callable[..., Any]] = {
-            "torch": functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
-            "matepoint": matepoint_checkpoint_fn(),
-        }
-        self.current = current
-        self.calls = dict.fromkeys(self.functions, 0)
-
-    @property
-    def current(self) -> str:
-        """The checkpoint the next call runs: ``"torch"`` or ``"matepoint"``."""
-        return self._current
-
-    @current.setter
-    def current(self, name: str) -> None:
-        if name not in self.functions:
-            raise ValueError(
-                f"unknown checkpoint {name!r}; expected one of {sorted(self.functions)}"
-            )
-        self._current = name
-
-    def __call__(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """Run ``function(*args, **kwargs)`` under the current checkpoint."""
-        self.calls[self._current] += 1
-        return self.functions[self._current](function, *args, **kwargs)
-
-
 def _checkpoint_blocks(
     model: nn.Module, block_type: type[nn.Module], how: str
 ) -> CheckpointSwitch | None:
@@ -322,104 +288,6 @@ def _loss(model: nn.Module, args: argparse.Namespace, inputs: Tensor, target: Te
         return F.mse_loss(model(inputs).float(), target.float())
     loss: Tensor = model(inputs, target)
     return loss
-
-
-# -- helpers over ranks -------------------------------------------------------------------------
-
-
-def _clean_name(name: str) -> str:
-    """A parameter's name without the wrappers' prefixes (DDP's ``module.``, the checkpoint's)."""
-    name = name.replace(_WRAPPED_PREFIX, "")
-    return name.removeprefix("module.")
-
-
-def _full(tensor: Tensor) -> Tensor:
-    """The full tensor of an FSDP2 shard (a collective: every rank must call it), else itself."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else tensor
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """This rank's piece of an FSDP2 shard, else the tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
-def _grad_norm(model: nn.Module, sharded: bool) -> float:
-    """The global gradient norm (sharded: the squares of each rank's shard summed over ranks)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for parameter in model.parameters():
-        if parameter.grad is not None:
-            total += _local(parameter.grad).detach().double().square().sum().cpu()
-    if sharded:
-        device = next(model.parameters()).device
-        total = total.to(device)
-        dist.all_reduce(total)
-    return math.sqrt(float(total))
-
-
-def _full_params(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter, whole, in float32 on the CPU, by its unwrapped name (all ranks call it)."""
-    return {
-        _clean_name(name): _full(parameter.detach()).float().cpu()
-        for name, parameter in model.named_parameters()
-    }
-
-
-def _checksums(params: dict[str, Tensor]) -> dict[str, Any]:
-    total = sum(float(t.double().sum()) for t in params.values())
-    total_abs = sum(float(t.double().abs().sum()) for t in params.values())
-    return {
-        "sum": total,
-        "abs_sum": total_abs,
-        "per_parameter_sum": {name: float(t.double().sum()) for name, t in params.items()},
-    }
-
-
-def compare_params(
-    got: dict[str, Tensor], want: dict[str, Tensor], rtol: float, atol: float
-) -> dict[str, Any]:
-    """Compare two parameter dictionaries with ``torch.allclose`` and report the largest gaps.
-
-    Args:
-        got: Parameters by name.
-        want: Reference parameters by name (the same names and shapes).
-        rtol: Relative tolerance.
-        atol: Absolute tolerance.
-
-    Returns:
-        ``{"allclose", "bitwise_equal", "max_abs_diff", "max_rel_diff", "worst_parameter"}``.
-
-    Raises:
-        ValueError: If the names or shapes differ.
-    """
-    if set(got) != set(want):
-        raise ValueError(f"parameter names differ: {sorted(set(got) ^ set(want))}")
-    allclose = bitwise = True
-    max_abs = max_rel = 0.0
-    worst = ""
-    for name, reference in want.items():
-        value = got[name]
-        if value.shape != reference.shape:
-            raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(reference.shape)}")
-        diff = (value.double() - reference.double()).abs()
-        abs_diff = float(diff.max()) if diff.numel() else 0.0
-        relative = diff / reference.double().abs().clamp_min(1e-30)
-        rel_diff = float(relative.max()) if diff.numel() else 0.0
-        allclose &= torch.allclose(value, reference, rtol=rtol, atol=atol)
-        bitwise &= torch.equal(value, reference)
-        if abs_diff > max_abs:
-            max_abs, worst = abs_diff, name
-        max_rel = max(max_rel, rel_diff)
-    return {
-        "allclose": allclose,
-        "bitwise_equal": bitwise,
-        "rtol": rtol,
-        "atol": atol,
-        "max_abs_diff": max_abs,
-        "max_rel_diff": max_rel,
-        "worst_parameter": worst,
-    }
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -505,87 +373,12 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             dist.destroy_process_group()
 
 
-def _schedule(args: argparse.Namespace) -> list[str]:
-    """The checkpoint each step runs: ``--steps`` times the one asked, or paired warm-up + rounds.
-
-    Paired: the warm-up alternates the two checkpoints; round ``r`` runs each once, in
-    :func:`matepoint_examples._paired.round_order` (rotated by one every round), so neither
-    always runs first or always follows the other.
-    """
-    if args.checkpoint != "paired":
-        return [args.checkpoint] * args.steps
-    warmup = [PAIRED[i % len(PAIRED)] for i in range(args.warmup)]
-    return warmup + [name for r in range(args.rounds) for name in round_order(PAIRED, r)]
-
-
 def _barrier(device: torch.device) -> None:
     """A barrier over all ranks, on this rank's GPU under NCCL."""
     if device.type == "cuda":
         dist.barrier(device_ids=[device.index])
     else:
         dist.barrier()
-
-
-def paired_summary(
-    strategies: Sequence[str], seconds_per_rank: Sequence[Sequence[float]], warmup: int
-) -> dict[str, Any]:
-    """Summarize a paired run: per checkpoint the median step, and matepoint's ratio to torch.
-
-    A step's time is the largest over ranks (see ``_train``). The steps after the warm-up form
-    rounds of one step per checkpoint in :data:`PAIRED`; the ratio is the median of the rounds'
-    ``matepoint / torch``, with the first and third quartiles (``statistics.quantiles``,
-    inclusive, as ``matepoint-bench`` reports them) and their difference ``iqr``.
-
-    Args:
-        strategies: The checkpoint of every step, warm-up included.
-        seconds_per_rank: Per rank, every step's time in seconds, in the same order.
-        warmup: How many steps at the start are warm-up (not timed into the summary).
-
-    Returns:
-        A JSON-ready dict: ``median_step_seconds``, ``ratio`` (``median``, ``q1``, ``q3``,
-        ``iqr``, ``rounds``), ``per_round_ratios``, ``round_seconds`` and the schedule.
-
-    Raises:
-        ValueError: If a round is incomplete or runs a checkpoint twice, or no round was timed.
-    """
-    reference, measured = PAIRED
-    seconds = [max(rank[i] for rank in seconds_per_rank) for i in range(len(strategies))]
-    timed = list(zip(strategies[warmup:], seconds[warmup:], strict=True))
-    if not timed or len(timed) % len(PAIRED):
-        raise ValueError(f"{len(timed)} timed steps do not make whole rounds of {len(PAIRED)}")
-    rounds: list[dict[str, Any]] = []
-    for start in range(0, len(timed), len(PAIRED)):
-        steps = timed[start : start + len(PAIRED)]
-        if sorted(name for name, _ in steps) != sorted(PAIRED):
-            raise ValueError(f"round {start // len(PAIRED)} ran {[n for n, _ in steps]}")
-        rounds.append({"first": steps[0][0], **dict(steps)})
-    ratios = [row[measured] / row[reference] for row in rounds]
-    q1, median, q3 = quartiles(ratios)
-    return {
-        "strategies": list(PAIRED),
-        "reference": reference,
-        "warmup_steps": warmup,
-        "rounds": len(rounds),
-        "timing": (
-            "forward + backward + optimizer step, between device synchronizes; under "
-            "torchrun every rank starts the step after a barrier and the step's time is the "
-            "largest over ranks"
-        ),
-        "step_strategy": list(strategies),
-        "median_step_seconds": {
-            name: statistics.median(row[name] for row in rounds) for name in PAIRED
-        },
-        "ratio": {
-            "of": f"{measured}/{reference}",
-            "median": median,
-            "q1": q1,
-            "q3": q3,
-            "iqr": q3 - q1,
-            "rounds": len(ratios),
-        },
-        "per_round_ratios": ratios,
-        "round_seconds": rounds,
-    }
 
 
 def _train(
@@ -615,7 +408,7 @@ def _train(
         if args.checkpoint in ("matepoint", "paired")
         else contextlib.nullcontext()
     )
-    schedule = _schedule(args)
+    schedule = step_schedule(args)
     losses: list[float] = []
     grad_norms: list[float] = []
     step_seconds: list[float] = []
@@ -652,7 +445,7 @@ def _train(
             step_seconds.append(time.perf_counter() - start)
             # Outside the timed span (it copies to the host once per parameter). SGD and AdamW
             # read ``.grad`` and never write it, so this is the norm the step just used.
-            grad_norms.append(_grad_norm(model, sharded=args.mode == "fsdp2"))
+            grad_norms.append(grad_norm(model, sharded=args.mode == "fsdp2"))
             optimizer.zero_grad(set_to_none=True)
             mean_loss = loss.detach().float()
             if world > 1:
@@ -677,7 +470,7 @@ def _train(
     if world > 1:
         ranks = [None] * world
         dist.all_gather_object(ranks, per_rank)
-    params = _full_params(model)
+    params = full_params(model)
     if rank != 0:
         return None
     paired = (
@@ -708,7 +501,7 @@ def _train(
                 t for row in paired["round_seconds"] for t in (row[n] for n in PAIRED)
             )
         ),
-        "param_checksums": _checksums(params),
+        "param_checksums": checksums(params),
         "ranks": ranks,
     }
     if paired is not None:
@@ -724,18 +517,6 @@ def _train(
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
-
-
-def paired_line(paired: dict[str, Any]) -> str:
-    """One line for a paired run: the ratio with its interquartile range, and the medians."""
-    ratio = paired["ratio"]
-    medians = ", ".join(
-        f"{name} {seconds * 1e3:.2f} ms" for name, seconds in paired["median_step_seconds"].items()
-    )
-    return (
-        f"paired {ratio['of']}: {ratio['median']:.4f} (IQR {ratio['q1']:.4f}-{ratio['q3']:.4f}, "
-        f"{ratio['rounds']} rounds); median step: {medians}"
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
