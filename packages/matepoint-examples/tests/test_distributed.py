@@ -126,12 +126,8 @@ def test_single_process_matepoint_matches_torch_bitwise(
     assert json.loads((tmp_path / "r.json").read_text())["losses"] == report["losses"]
 
 
-@requires_gloo
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("model", ["latent", "gpt"])
-def test_two_ranks_match_single_process(
-    reference: dict[str, Path], model: str, mode: str, tmp_path: Path
-) -> None:
+def _skip_unless_cpu_mode_trains(mode: str) -> None:
+    """Skip where this torch's FSDP2 is missing or does not train correctly on CPU with gloo."""
     if mode == "fsdp2" and distributed.fully_shard_fn() is None:
         pytest.skip(f"torch {torch.__version__} has no FSDP2 fully_shard")
     if mode == "fsdp2" and not matepoint_compat.TORCH_2_9_PLUS:
@@ -139,6 +135,15 @@ def test_two_ranks_match_single_process(
         # streams, 2.6 calls Stream.record_event (absent on CPU), 2.7 and 2.8 run but end 1e-2
         # away from the single-process run. Skip can go when 2.9 is the oldest supported release.
         pytest.skip(f"torch {torch.__version__}'s FSDP2 does not train correctly on CPU/gloo")
+
+
+@requires_gloo
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("model", ["latent", "gpt"])
+def test_two_ranks_match_single_process(
+    reference: dict[str, Path], model: str, mode: str, tmp_path: Path
+) -> None:
+    _skip_unless_cpu_mode_trains(mode)
     report = _torchrun(
         tmp_path,
         "--model",
@@ -214,10 +219,7 @@ def _other(name: str) -> str:
 @requires_gloo
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_paired_two_ranks(mode: str, tmp_path: Path) -> None:
-    if mode == "fsdp2" and distributed.fully_shard_fn() is None:
-        pytest.skip(f"torch {torch.__version__} has no FSDP2 fully_shard")
-    if mode == "fsdp2" and not matepoint_compat.TORCH_2_9_PLUS:
-        pytest.skip(f"torch {torch.__version__}'s FSDP2 does not train correctly on CPU/gloo")
+    _skip_unless_cpu_mode_trains(mode)
     report = _torchrun(
         tmp_path,
         "--model",
