@@ -162,7 +162,7 @@ def mark_checkpoint_inputs(gm: torch.fx.GraphModule, joint_inputs: Any) -> torch
     """
     del joint_inputs
     forward = matepoint_compat.forward_nodes(gm.graph)
-    pending = [
+    starts = [
         node
         for node in gm.graph.nodes
         if node.op == "call_function"
@@ -175,18 +175,17 @@ def mark_checkpoint_inputs(gm: torch.fx.GraphModule, joint_inputs: Any) -> torch
         )
     ]
     seen: set[torch.fx.Node] = set()
-    while pending:
-        node = pending.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        nbytes = _offloadable(node)
-        if nbytes:
-            node.meta["should_offload"] = True
-            MARKS.values += 1
-            MARKS.bytes += nbytes
-        if "ac_graph_id" not in node.meta:  # computed outside the regions: follow its inputs
-            pending += [arg for arg in node.all_input_nodes if arg.op == "call_function"]
+    for start in starts:
+        producers = [node for node, _ in matepoint_compat.producers_outside_regions(start)]
+        for node in [start, *producers]:
+            if node in seen:
+                continue
+            seen.add(node)
+            nbytes = _offloadable(node)
+            if nbytes:
+                matepoint_compat.mark_for_offload(node)
+                MARKS.values += 1
+                MARKS.bytes += nbytes
     return gm
 
 
