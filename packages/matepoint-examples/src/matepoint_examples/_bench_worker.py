@@ -150,14 +150,8 @@ def run_train(
     """
     result: dict[str, Any] = {
         "mode": "train",
-        "workload": workload.name,
+        **workload.row_fields(),
         "strategy": strategy_name,
-        "kind": workload.kind,
-        "depth": workload.depth,
-        "width": workload.width,
-        "batch": workload.batch,
-        "tokens": workload.tokens,
-        "dtype": workload.dtype,
         "block_input_bytes": workload.block_input_bytes(),
         "steps": steps,
         "warmup": warmup,

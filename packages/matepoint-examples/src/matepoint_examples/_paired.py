@@ -240,13 +240,7 @@ def run_paired(
     """
     common = {
         "mode": "paired",
-        "workload": workload.name,
-        "kind": workload.kind,
-        "depth": workload.depth,
-        "width": workload.width,
-        "batch": workload.batch,
-        "tokens": workload.tokens,
-        "dtype": workload.dtype,
+        **workload.row_fields(),
         "rounds": rounds,
         "warmup": warmup,
         "reference": REFERENCE,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +63,18 @@ class Workload:
     def block_input_bytes(self) -> int:
         """Return the bytes of one block's input, what each checkpoint saves."""
         return self.batch * self.tokens * self.width * self.torch_dtype().itemsize
+
+    def row_fields(self) -> dict[str, Any]:
+        """Return the shape fields every benchmark row of this workload starts with."""
+        return {
+            "workload": self.name,
+            "kind": self.kind,
+            "depth": self.depth,
+            "width": self.width,
+            "batch": self.batch,
+            "tokens": self.tokens,
+            "dtype": self.dtype,
+        }
 
     def with_overrides(self, **fields: int | None) -> Workload:
         """Return a copy with the given fields replaced (``None`` values are ignored).
