@@ -75,9 +75,6 @@ def _matepoint_stats() -> dict[str, Any]:
     return dataclasses.asdict(matepoint.stats())
 
 
-_FLOOR = CopyFloor()
-_FLOOR_OUT = CopyFloor(copy_in=False)
-_FLOOR_REFETCH = CopyFloor(refetch=True)
 _LINK_BUSY = LinkBusy()
 
 
@@ -215,6 +212,22 @@ class Strategy:
         return CompiledForward(loss, self.name, self.compiled, device, backend)
 
 
+def _floor_strategy(
+    name: str, description: str, floor: CopyFloor, *, probe: bool = False
+) -> Strategy:
+    """A strategy that runs torch's checkpoint with ``floor``'s copies (see ``_floor``)."""
+    return Strategy(
+        name,
+        description,
+        floor.checkpoint,
+        forward_context=floor.step,
+        session=floor.session,
+        stats=floor.stats,
+        reset_stats=floor.reset_stats,
+        probe=probe,
+    )
+
+
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
@@ -279,33 +292,21 @@ STRATEGIES: dict[str, Strategy] = {
             reset_stats=matepoint.reset_stats,
             compiled=CompileSpec(report=_matepoint_compiled_report),
         ),
-        Strategy(
+        _floor_strategy(
             "copies-floor",
             "torch.utils.checkpoint plus the same copies on a side stream, no bookkeeping",
-            _FLOOR.checkpoint,
-            forward_context=_FLOOR.step,
-            session=_FLOOR.session,
-            stats=_FLOOR.stats,
-            reset_stats=_FLOOR.reset_stats,
+            CopyFloor(),
         ),
-        Strategy(
+        _floor_strategy(
             "copies-floor-out",
             "copies-floor with the forward's copies only (nothing copied back)",
-            _FLOOR_OUT.checkpoint,
-            forward_context=_FLOOR_OUT.step,
-            session=_FLOOR_OUT.session,
-            stats=_FLOOR_OUT.stats,
-            reset_stats=_FLOOR_OUT.reset_stats,
+            CopyFloor(copy_in=False),
             probe=True,
         ),
-        Strategy(
+        _floor_strategy(
             "copies-floor-refetch",
             "copies-floor copying a shared input back at every unpack, not once per step",
-            _FLOOR_REFETCH.checkpoint,
-            forward_context=_FLOOR_REFETCH.step,
-            session=_FLOOR_REFETCH.session,
-            stats=_FLOOR_REFETCH.stats,
-            reset_stats=_FLOOR_REFETCH.reset_stats,
+            CopyFloor(refetch=True),
             probe=True,
         ),
         Strategy(
