@@ -27,6 +27,11 @@ __all__ = [
 ]
 
 
+# One no-op context serves every call: a nullcontext keeps no state, and checkpoint() asks for
+# one on each call of a training loop.
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def _installed() -> str:
     return ".".join(str(part) for part in TORCH_VERSION)
 
@@ -61,7 +66,7 @@ def adapt_checkpoint_kwargs(
     # nullcontext, not a generator-based @contextmanager: dynamo before torch 2.8 cannot carry a
     # live generator context across the graph break at matepoint.checkpoint ("NYI: Returning a
     # @contextmanager object from a torch.compile function").
-    context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    context: contextlib.AbstractContextManager[None] = _NO_CONTEXT
     if not TORCH_2_9_PLUS and "early_stop" in kwargs:
         early_stop = bool(kwargs.pop("early_stop"))
         if not use_reentrant:
@@ -132,5 +137,5 @@ def unwind_failed_checkpoint() -> contextlib.AbstractContextManager[None]:
         The unwinding context on torch < 2.13, else a no-op context.
     """
     if TORCH_2_13_PLUS:
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
     return _UnwindFailedCheckpoint()

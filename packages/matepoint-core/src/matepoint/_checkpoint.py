@@ -10,7 +10,6 @@ inputs live until backward.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterable
@@ -89,7 +88,6 @@ class _OffloadHooks(saved_tensors_hooks):
 # The hooks of the last call: a training loop repeats one set of options (``resolve`` returns
 # the same object while nothing changes), so building the hooks is off the per-call path.
 _last_hooks: tuple[ResolvedOptions, bool, _OffloadHooks] | None = None
-_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _hooks_for(options: ResolvedOptions, pipelined: bool) -> _OffloadHooks:
@@ -253,8 +251,7 @@ def checkpoint(
         ...     return block(h) * scale
         >>> y = mlp(x, scale=2.0)
     """
-    if kwargs:
-        compat.pop_legacy_checkpoint_kwargs(kwargs, function=function, stacklevel=2)
+    compat.pop_legacy_checkpoint_kwargs(kwargs, function=function, stacklevel=2)
     if function is None:
         if args:
             raise TypeError("checkpoint() got positional arguments but no function to run")
@@ -270,9 +267,7 @@ def checkpoint(
         name: kwargs.pop(name) for name in list(kwargs) if name in _CHECKPOINT_OPTION_NAMES
     }
     function_kwargs = kwargs
-    adapted: contextlib.AbstractContextManager[None] = _NO_CONTEXT
-    if checkpoint_options:
-        adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)
+    adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)
     if (
         options is None
         or not torch.is_grad_enabled()
