@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +24,14 @@ import test_torch_parity_autograd as autograd
 import test_torch_parity_inputs as inputs
 import test_torch_parity_nested as nested
 import torch
-from test_torch_parity import Checkpoint, Step, assert_same, mate, reference, run_seeded
+from test_torch_parity import (
+    Checkpoint,
+    Step,
+    assert_same_outcome,
+    mate,
+    reference,
+    run_seeded,
+)
 from torch import nn
 
 import matepoint
@@ -78,22 +84,7 @@ def cuda_parity(
     mine = run_seeded(step, ours)
     torch.cuda.synchronize()
     stats = matepoint.stats()
-    if raises is not None:
-        assert theirs_outcome.error is not None, f"torch was expected to raise {raises!r}"
-        assert re.search(raises, str(theirs_outcome.error)), theirs_outcome.error
-        if mine.error is None:
-            raise AssertionError(f"torch raised {theirs_outcome.error!r}; matepoint did not")
-        assert isinstance(mine.error, type(theirs_outcome.error)), (theirs_outcome, mine.error)
-        assert re.search(raises, str(mine.error)), mine.error
-    else:
-        if theirs_outcome.error is not None:
-            raise AssertionError("torch's own checkpoint failed") from theirs_outcome.error
-        if mine.error is not None:
-            raise AssertionError("matepoint raised where torch did not") from mine.error
-        assert_same(mine.value, theirs_outcome.value)
-    assert mine.warned == theirs_outcome.warned, "matepoint warned differently from torch"
-    if mode == "forced" and offloads:
-        assert stats.offloads > 0, "nothing was offloaded: the parity proves nothing"
+    assert_same_outcome(mine, theirs_outcome, stats, mode=mode, raises=raises, offloads=offloads)
     if mine.error is not None:
         mine.error.__traceback__ = None
     del mine

@@ -120,6 +120,40 @@ def _forget(*outcomes: Outcome) -> None:
             outcome.error.__traceback__ = None
 
 
+def assert_same_outcome(
+    mine: Outcome,
+    theirs: Outcome,
+    stats: matepoint.OffloadStats,
+    *,
+    mode: str,
+    raises: str | None,
+    offloads: bool,
+) -> None:
+    """Assert matepoint's run ended as torch's did: the same error, or the same values.
+
+    ``stats`` are matepoint's counters over its run; the other arguments are :func:`parity`'s.
+    """
+    if raises is not None:
+        assert theirs.error is not None, f"torch was expected to raise {raises!r}"
+        assert re.search(raises, str(theirs.error)), theirs.error
+        if mine.error is None:
+            raise AssertionError(f"torch raised {theirs.error!r}; matepoint did not")
+        assert isinstance(mine.error, type(theirs.error)), (
+            f"torch raised {type(theirs.error).__name__}: {theirs.error}; "
+            f"matepoint raised {type(mine.error).__name__}: {mine.error}"
+        )
+        assert re.search(raises, str(mine.error)), mine.error
+    else:
+        if theirs.error is not None:
+            raise AssertionError("torch's own checkpoint failed") from theirs.error
+        if mine.error is not None:
+            raise AssertionError("matepoint raised where torch did not") from mine.error
+        assert_same(mine.value, theirs.value)
+    assert mine.warned == theirs.warned, "matepoint warned differently from torch"
+    if mode == "forced" and offloads:
+        assert stats.offloads > 0, "nothing was offloaded: the parity proves nothing"
+
+
 def parity(
     step: Step,
     ours: Checkpoint,
@@ -144,25 +178,7 @@ def parity(
     mine = run_seeded(step, ours)
     stats = matepoint.stats()
     theirs_outcome = run_seeded(step, theirs)
-    if raises is not None:
-        assert theirs_outcome.error is not None, f"torch was expected to raise {raises!r}"
-        assert re.search(raises, str(theirs_outcome.error)), theirs_outcome.error
-        if mine.error is None:
-            raise AssertionError(f"torch raised {theirs_outcome.error!r}; matepoint did not")
-        assert isinstance(mine.error, type(theirs_outcome.error)), (
-            f"torch raised {type(theirs_outcome.error).__name__}: {theirs_outcome.error}; "
-            f"matepoint raised {type(mine.error).__name__}: {mine.error}"
-        )
-        assert re.search(raises, str(mine.error)), mine.error
-    else:
-        if theirs_outcome.error is not None:
-            raise AssertionError("torch's own checkpoint failed") from theirs_outcome.error
-        if mine.error is not None:
-            raise AssertionError("matepoint raised where torch did not") from mine.error
-        assert_same(mine.value, theirs_outcome.value)
-    assert mine.warned == theirs_outcome.warned, "matepoint warned differently from torch"
-    if mode == "forced" and offloads:
-        assert stats.offloads > 0, "nothing was offloaded: the parity proves nothing"
+    assert_same_outcome(mine, theirs_outcome, stats, mode=mode, raises=raises, offloads=offloads)
     value = theirs_outcome.value
     _forget(mine, theirs_outcome)
     del mine, theirs_outcome
