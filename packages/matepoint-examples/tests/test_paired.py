@@ -100,6 +100,17 @@ def test_run_paired_on_cpu() -> None:
     assert rows["copies-floor"]["stats"]["copies_out"] == TINY.depth
     assert rows["matepoint"]["stats"]["bytes_offloaded"] > 0
     assert "stats" not in rows["torch"]
+    assert rows["matepoint"]["held_after_forward_bytes"] is None  # no allocator count on a CPU
+
+
+@pytest.mark.gpu
+def test_run_paired_on_cuda_measures_what_each_strategy_holds_after_forward() -> None:
+    workload = get_workload("deep48").with_overrides(depth=8, batch=1)
+    names = ["torch", "matepoint"]
+    rows = {r["strategy"]: r for r in run_paired(workload, names, torch.device("cuda"), 1, 1)}
+    assert all(row["status"] == "ok" for row in rows.values()), rows
+    held = {name: rows[name]["held_after_forward_bytes"] for name in names}
+    assert 0 < held["matepoint"] < held["torch"], held
 
 
 def test_run_paired_drops_a_failing_strategy_and_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -110,6 +110,7 @@ PAIRED_COLUMNS = [
     "fwd host / torch",
     "fwd GPU / torch",
     "bwd GPU / torch",
+    "held after fwd",
     "out / step",
     "back / step",
 ]
@@ -142,6 +143,7 @@ def _paired_cells(r: Row) -> list[str]:
         _metric_ratio(r, "forward_host_s"),
         _metric_ratio(r, "forward_gpu_s"),
         _metric_ratio(r, "backward_gpu_s"),
+        _bytes(r.get("held_after_forward_bytes")),
         _bytes(out),
         _bytes(back),
     ]

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from matepoint_examples._bench_worker import environment
 from matepoint_examples._compiled import CompiledForward
-from matepoint_examples._runtime import synchronize
+from matepoint_examples._runtime import allocated_bytes, synchronize
 from matepoint_examples._workloads import Built, Workload, build
 from matepoint_examples.strategies import Strategy, get_strategy
 
@@ -216,10 +216,10 @@ def run_paired(
 
     Each strategy's own session is entered once for the whole run. A strategy that runs out
     of memory or fails leaves the rotation (its row says why); the others go on. After the
-    rounds, each strategy runs one more step with its counters reset (what it moved per step)
-    and, with ``trace``, one step under ``torch.profiler`` with a synchronize between forward
-    and backward (kernel busy time and runtime calls per phase). Compiled strategies compile in
-    one untimed step each before the warm-up rounds.
+    rounds, each strategy runs one more step with its counters reset (what it held after
+    forward and what it moved per step) and, with ``trace``, one step under ``torch.profiler``
+    with a synchronize between forward and backward (kernel busy time and runtime calls per
+    phase). Compiled strategies compile in one untimed step each before the warm-up rounds.
 
     Args:
         workload: The model shape.
@@ -234,7 +234,8 @@ def run_paired(
     Returns:
         One JSON-ready row per strategy: ``status``, per-round ``times``, the median
         ``step_time_s``, the per-round ``ratio`` to torch's checkpoint with ``ratio_q1`` and
-        ``ratio_q3``, the same for every metric under ``ratios``, ``stats``/``trace``, and for
+        ``ratio_q3``, the same for every metric under ``ratios``, ``held_after_forward_bytes``,
+        ``stats``/``trace``, and for
         a compiled strategy ``compile`` (backend, graphs, graph breaks, recompiles) and, when
         ``torch-compile`` ran too, ``ratio_to_torch_compile`` (the step's, same form).
     """
@@ -357,13 +358,31 @@ def _counted_step(
     strategy: Strategy,
     row: dict[str, Any],
 ) -> None:
-    """Run one step with the strategy's counters reset; store what it moved in ``row``."""
-    if strategy.stats is None or strategy.reset_stats is None:
-        return
+    """Run one more step and store what it held after forward and, if it counts, what it moved.
+
+    Held after forward is ``memory_allocated`` after the forward and a synchronize minus the
+    same before it (parameters, optimizer state and the batch are counted in both; gradients
+    are ``None`` between steps), as in the memory mode, so a compiled strategy gets its memory
+    row without compiling again in a process of its own.
+    """
+    device = clock.device
     switch.current = strategy
-    strategy.reset_stats()
-    _timed_step(built, strategy, optimizer, clock)
-    row["stats"] = strategy.stats()
+    if strategy.reset_stats is not None:
+        strategy.reset_stats()
+    gc.collect()
+    synchronize(device)
+    before = allocated_bytes(device)
+    with strategy.forward_context():
+        loss = built.loss()
+    synchronize(device)
+    after = allocated_bytes(device)
+    torch.autograd.backward(loss)
+    del loss
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    row["held_after_forward_bytes"] = None if after is None or before is None else after - before
+    if strategy.stats is not None:
+        row["stats"] = strategy.stats()
 
 
 def _ratio_summary(values: Sequence[float]) -> dict[str, float | int]:
