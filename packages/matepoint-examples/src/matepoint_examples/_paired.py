@@ -235,9 +235,9 @@ def run_paired(
         One JSON-ready row per strategy: ``status``, per-round ``times``, the median
         ``step_time_s``, the per-round ``ratio`` to torch's checkpoint with ``ratio_q1`` and
         ``ratio_q3``, the same for every metric under ``ratios``, ``held_after_forward_bytes``,
-        ``stats``/``trace``, and for
-        a compiled strategy ``compile`` (backend, graphs, graph breaks, recompiles) and, when
-        ``torch-compile`` ran too, ``ratio_to_torch_compile`` (the step's, same form).
+        ``stats``/``trace``, and for a compiled strategy ``compile`` (backend, graphs, graph
+        breaks, recompiles) and, when ``torch-compile`` ran too, ``ratio_to_torch_compile``
+        (the step's, same form).
     """
     common = {
         "mode": "paired",
