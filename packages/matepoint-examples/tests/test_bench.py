@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,26 @@ def test_worker_paired_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert rows["copies-floor"]["status"] == "ok"
     assert len(rows["copies-floor"]["times"]) == 2
     assert rows["torchtune"]["status"] == "skipped"
+
+
+def test_worker_paired_reports_its_progress_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--worker", "paired", "--workload", "cpu-small", "--device", "cpu", "--rounds", "2"]
+    assert bench.main([*args, "--warmup", "1", "--strategies", "torch", *TINY]) == 0
+    assert "cpu-small: round 3 of 3" in capsys.readouterr().err
+
+
+def test_a_timed_out_worker_says_how_far_it_got(monkeypatch: pytest.MonkeyPatch) -> None:
+    def hang(cmd: list[str], **kwargs: Any) -> None:
+        raise subprocess.TimeoutExpired(
+            cmd, kwargs["timeout"], stderr=b"deep96 / torch-compile: compile step 190.0 s"
+        )
+
+    monkeypatch.setattr(bench.subprocess, "run", hang)
+    result = bench.run_worker_subprocess(["--worker", "paired"], timeout=5)
+    assert result["status"] == "error"
+    assert result["note"] == (
+        "timed out after 5 s; last reported: deep96 / torch-compile: compile step 190.0 s"
+    )
 
 
 def test_end_to_end_subprocesses(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ import dataclasses
 import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -345,9 +346,19 @@ def _rounds(
         if timed:
             for name in by_name:
                 times[name].append(measured.get(name))
-        elif index == 0:  # the compile step: how long compiling took
+        if index == 0:  # the compile step: how long compiling took
             for name, step in measured.items():
                 rows[name]["compile_step_s"] = None if step is None else step["step_s"]
+                _report_progress(f"{rows[name]['workload']} / {name}: compile step", step)
+        else:
+            workload = rows[order[0]]["workload"]
+            _report_progress(f"{workload}: round {index} of {len(schedule) - 1}")
+
+
+def _report_progress(what: str, step: dict[str, float | None] | None = None) -> None:
+    """Say on stderr how far the run got, so that a run killed by its timeout still tells."""
+    took = "" if step is None else f" {step['step_s']:.1f} s"
+    print(f"{what}{took}", file=sys.stderr, flush=True)
 
 
 def _counted_step(

@@ -164,8 +164,15 @@ def run_worker_subprocess(worker_args: Sequence[str], timeout: float) -> dict[st
     cmd = [sys.executable, "-m", "matepoint_examples.bench", *worker_args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"status": "error", "note": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as exc:
+        # What the child had reported on stderr (a paired worker reports each compile step)
+        # says how far it got.
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
+        progress = " / ".join((err or "").strip().splitlines()[-6:])
+        note = f"timed out after {timeout:.0f} s" + (
+            f"; last reported: {progress}" if progress else ""
+        )
+        return {"status": "error", "note": note[:1000]}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             try:
