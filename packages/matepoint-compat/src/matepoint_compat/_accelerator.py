@@ -83,14 +83,9 @@ def delay_stream(stream: Any, cycles: int) -> None:
     if cycles <= 0 or stream.device.type != "cuda":
         return
     sleep = getattr(torch.cuda, "_sleep", None)
-    if sleep is None:
-        return
-    with torch.cuda.stream(stream):
-        sleep(int(cycles))
-
-
-def _unregister(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+    if sleep is not None:
+        with torch.cuda.stream(stream):
+            sleep(int(cycles))
 
 
 def allocate_pinned(nbytes: int) -> torch.Tensor:
@@ -118,13 +113,14 @@ def allocate_pinned(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
     block = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     address = block.data_ptr()
-    status = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)  # type: ignore[no-untyped-call]
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    status = cudart.cudaHostRegister(address, nbytes, 0)
     code = int(getattr(status, "value", status))
     if code != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}")
     # The finalizer hangs on the returned tensor: callers keep it for the block's whole life and
     # only make short-lived views of it.
-    weakref.finalize(block, _unregister, address)
+    weakref.finalize(block, cudart.cudaHostUnregister, address)
     return block
 
 

@@ -21,19 +21,12 @@ from matepoint_compat._version import (
     TORCH_VERSION,
 )
 
-__all__ = [
-    "adapt_checkpoint_kwargs",
-    "unwind_failed_checkpoint",
-]
+__all__ = ["adapt_checkpoint_kwargs", "unwind_failed_checkpoint"]
 
 
 # One no-op context serves every call: a nullcontext keeps no state, and checkpoint() asks for
 # one on each call of a training loop.
 _NO_CONTEXT = contextlib.nullcontext()
-
-
-def _installed() -> str:
-    return ".".join(str(part) for part in TORCH_VERSION)
 
 
 def adapt_checkpoint_kwargs(
@@ -71,41 +64,23 @@ def adapt_checkpoint_kwargs(
         early_stop = bool(kwargs.pop("early_stop"))
         if not use_reentrant:
             context = torch_checkpoint.set_checkpoint_early_stop(early_stop)
-    if "respect_saved_tensors_hooks" in kwargs and not TORCH_2_14_PLUS:
-        raise TypeError(
-            "checkpoint() got respect_saved_tensors_hooks=, which needs torch>=2.14; "
-            f"the installed torch is {_installed()}"
-        )
-    if (
-        TORCH_2_14_PLUS
-        and not use_reentrant
-        and "context_fn" in kwargs
-        and "respect_saved_tensors_hooks" not in kwargs
-    ):
-        kwargs["respect_saved_tensors_hooks"] = False
+    if not TORCH_2_14_PLUS:
+        if "respect_saved_tensors_hooks" in kwargs:
+            installed = ".".join(str(part) for part in TORCH_VERSION)
+            raise TypeError(
+                "checkpoint() got respect_saved_tensors_hooks=, which needs torch>=2.14; "
+                f"the installed torch is {installed}"
+            )
+    elif not use_reentrant and "context_fn" in kwargs:
+        kwargs.setdefault("respect_saved_tensors_hooks", False)
     return context
 
 
-def _close_suspended_checkpoints(traceback: types.TracebackType | None) -> None:
-    """Close the generators of torch's non-reentrant checkpoint calls in ``traceback``.
-
-    Innermost first, so each one pops the saved-tensor hooks on top of the stack.
-    """
-    generators = []
-    while traceback is not None:
-        frame = traceback.tb_frame
-        code = frame.f_code
-        if code.co_name == "checkpoint" and code.co_filename == torch_checkpoint.__file__:
-            gen = frame.f_locals.get("gen")
-            if isinstance(gen, types.GeneratorType) and gen.gi_frame is not None:
-                generators.append(gen)
-        traceback = traceback.tb_next
-    for gen in reversed(generators):
-        gen.close()
-
-
 class _UnwindFailedCheckpoint:
-    """See :func:`unwind_failed_checkpoint` (a class, not a generator: dynamo, see above)."""
+    """See :func:`unwind_failed_checkpoint` (a class, not a generator: dynamo, see above).
+
+    It keeps no state, so one instance serves every call.
+    """
 
     def __enter__(self) -> None:
         return None
@@ -116,8 +91,26 @@ class _UnwindFailedCheckpoint:
         exc: BaseException | None,
         traceback: types.TracebackType | None,
     ) -> None:
-        if exc is not None:
-            _close_suspended_checkpoints(traceback)
+        """Close the generators of torch's non-reentrant checkpoint calls in ``traceback``.
+
+        Innermost first, so each one pops the saved-tensor hooks on top of the stack.
+        """
+        if exc is None:
+            return
+        generators = []
+        while traceback is not None:
+            frame = traceback.tb_frame
+            code = frame.f_code
+            if code.co_name == "checkpoint" and code.co_filename == torch_checkpoint.__file__:
+                gen = frame.f_locals.get("gen")
+                if isinstance(gen, types.GeneratorType) and gen.gi_frame is not None:
+                    generators.append(gen)
+            traceback = traceback.tb_next
+        for gen in reversed(generators):
+            gen.close()
+
+
+_UNWIND = _UnwindFailedCheckpoint()
 
 
 def unwind_failed_checkpoint() -> contextlib.AbstractContextManager[None]:
@@ -136,6 +129,4 @@ def unwind_failed_checkpoint() -> contextlib.AbstractContextManager[None]:
     Returns:
         The unwinding context on torch < 2.13, else a no-op context.
     """
-    if TORCH_2_13_PLUS:
-        return _NO_CONTEXT
-    return _UnwindFailedCheckpoint()
+    return _NO_CONTEXT if TORCH_2_13_PLUS else _UNWIND

@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import warnings
 
-__all__ = [
-    "DEFAULT_REMOVAL",
-    "DEFAULT_SINCE",
-    "MatepointDeprecationWarning",
-    "warn_deprecated",
-]
+__all__ = ["MatepointDeprecationWarning", "warn_deprecated"]
 
 DEFAULT_SINCE: str = "0.2.0"
 """The release that first warned about the 0.1.x surface."""

@@ -71,8 +71,7 @@ def saved_tensors_hooks_active() -> bool:
     """
     if not TORCH_2_8_PLUS:
         return _HOOK_DEPTH.depth > 0
-    top = torch._C._autograd._top_saved_tensors_default_hooks
-    return top(False) is not None
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 def saved_tensors_hooks_enabled() -> bool:

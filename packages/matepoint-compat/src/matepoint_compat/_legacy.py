@@ -8,8 +8,8 @@ in core (``matepoint/_legacy.py``): they need the engine, and compat never impor
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
+from inspect import Parameter, signature
 
 import torch
 
@@ -32,37 +32,29 @@ def _accepts_keyword(function: Callable[..., object], name: str) -> bool:
     # A module's __call__ takes (*args, **kwargs); what it accepts is its forward's signature.
     target = function.forward if isinstance(function, torch.nn.Module) else function
     try:
-        parameters = inspect.signature(target).parameters
+        parameters = signature(target).parameters
     except (TypeError, ValueError):  # builtins and C functions without a signature
         return False
     parameter = parameters.get(name)
     if parameter is not None:
-        return parameter.kind in (
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
-            inspect.Parameter.KEYWORD_ONLY,
-        )
-    return any(value.kind is inspect.Parameter.VAR_KEYWORD for value in parameters.values())
+        return parameter.kind in (Parameter.POSITIONAL_OR_KEYWORD, Parameter.KEYWORD_ONLY)
+    return any(value.kind is Parameter.VAR_KEYWORD for value in parameters.values())
 
 
 def pop_legacy_checkpoint_kwargs(
-    kwargs: dict[str, object],
-    *,
-    function: Callable[..., object] | None = None,
-    stacklevel: int = 2,
+    kwargs: dict[str, object], *, function: Callable[..., object] | None = None
 ) -> None:
     """Remove the 0.1.x-only keyword arguments that ``function`` cannot take, warning for each.
 
     torch's checkpoint passes every keyword it does not know to the function, so a function that
     declares one of these names (or takes ``**kwargs``) gets it, as it would from torch, and no
-    warning is given. Other keys are left untouched.
+    warning is given. Other keys are left untouched. Each warning is attributed to the line that
+    called this function's caller: the user's ``checkpoint(...)`` line.
 
     Args:
         kwargs: The extra keyword arguments of a ``checkpoint`` call; modified in place.
         function: The checkpointed function, or None when nothing receives keyword arguments
             (``checkpoint_sequential``). Default: None.
-        stacklevel: Which frame the warnings are attributed to, counted as
-            :func:`warnings.warn` counts from the caller of this function: ``2`` is the user's
-            ``checkpoint(...)`` line. Default: ``2``.
 
     Example:
         >>> import warnings
@@ -80,5 +72,5 @@ def pop_legacy_checkpoint_kwargs(
     for key, replacement in _LEGACY_KWARGS.items():
         if key in kwargs and not (function is not None and _accepts_keyword(function, key)):
             del kwargs[key]
-            # +1 for this function's own frame.
-            warn_deprecated(f"`{key}=`", replacement=replacement, stacklevel=stacklevel + 1)
+            # 3: past this function and its caller (checkpoint), as warn_deprecated counts.
+            warn_deprecated(f"`{key}=`", replacement=replacement, stacklevel=3)

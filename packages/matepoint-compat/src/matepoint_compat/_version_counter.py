@@ -22,17 +22,12 @@ __all__ = ["version_witness"]
 _set_version_counter: Any = torch._C._autograd._unsafe_set_version_counter
 
 
-def _takes_tuples() -> bool:
-    # torch 2.4 takes (tensor, version); later releases take (tensors, versions).
-    probe = torch.zeros(())
-    try:
-        _set_version_counter((probe,), (0,))
-    except TypeError:
-        return False
-    return True
-
-
-_TAKES_TUPLES = _takes_tuples()
+# torch 2.4 takes (tensor, version); later releases take (tensors, versions).
+try:
+    _set_version_counter((torch.zeros(()),), (0,))
+    _TAKES_TUPLES = True
+except TypeError:
+    _TAKES_TUPLES = False
 
 
 def version_witness(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,13 +22,7 @@ from torch.autograd.graph import saved_tensors_hooks
 import matepoint_compat as compat
 from matepoint import _compiled
 from matepoint._legacy import pipeline_disabled as legacy_pipeline_disabled
-from matepoint._options import (
-    OffloadOptions,
-    OffloadSettings,
-    ResolvedOptions,
-    get_options,
-    resolve,
-)
+from matepoint._options import OffloadOptions, ResolvedOptions, get_options, resolve
 from matepoint._saving import pack, unpack
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -46,56 +40,29 @@ _CHECKPOINT_OPTION_NAMES = frozenset(
 _SIMPLE_LEAF_TYPES = (torch.Tensor, int, float, bool, str, type(None))
 
 
-def _resolve_options(offload: OffloadOptions | bool | None) -> ResolvedOptions | None:
-    """The call's options over the settings in force; None when the call offloads nothing.
-
-    See Note [Options and settings] in ``matepoint._options``.
-    """
-    if offload is None or offload is True:
-        return resolve(None)
-    if offload is False:
-        return None
-    if isinstance(offload, OffloadOptions):
-        return resolve(offload)
-    raise TypeError(
-        "checkpoint() offload= must be an OffloadOptions, True, False or None, "
-        f"got {type(offload).__name__}"
-        + (
-            "; device settings are set with matepoint.configure(...) or matepoint.options(...)"
-            if isinstance(offload, OffloadSettings)
-            else ""
-        )
-    )
+# The hooks of the last call: a training loop repeats one set of options (``resolve`` returns
+# the same object while nothing changes), so building the hooks is off the per-call path.
+_last_hooks: tuple[ResolvedOptions, bool, saved_tensors_hooks] | None = None
 
 
-class _OffloadHooks(saved_tensors_hooks):
-    """matepoint's outer hooks for checkpoint calls with the same resolved options.
+def _hooks_for(options: ResolvedOptions, pipelined: bool) -> saved_tensors_hooks:
+    """Return matepoint's outer saved-tensor hooks for checkpoint calls with these options.
 
     Entering pushes the two hooks and leaving pops them; the object keeps no other state, so one
     instance serves every call (nested and threaded ones too) with the same options.
     """
-
-    def __init__(self, options: ResolvedOptions, pipelined: bool) -> None:
-        def pack_hook(tensor: torch.Tensor) -> Any:
-            return pack(tensor, options, pipelined)
-
-        def unpack_hook(saved: Any) -> torch.Tensor:
-            return unpack(saved, options)
-
-        super().__init__(pack_hook, unpack_hook)
-
-
-# The hooks of the last call: a training loop repeats one set of options (``resolve`` returns
-# the same object while nothing changes), so building the hooks is off the per-call path.
-_last_hooks: tuple[ResolvedOptions, bool, _OffloadHooks] | None = None
-
-
-def _hooks_for(options: ResolvedOptions, pipelined: bool) -> _OffloadHooks:
     global _last_hooks
     last = _last_hooks
     if last is not None and last[0] is options and last[1] == pipelined:
         return last[2]
-    hooks = _OffloadHooks(options, pipelined)
+
+    def pack_hook(tensor: torch.Tensor) -> Any:
+        return pack(tensor, options, pipelined)
+
+    def unpack_hook(saved: Any) -> torch.Tensor:
+        return unpack(saved, options)
+
+    hooks = saved_tensors_hooks(pack_hook, unpack_hook)
     _last_hooks = (options, pipelined, hooks)
     return hooks
 
@@ -130,7 +97,6 @@ def _flattened_call(
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu"
     }
     leaves = arg_leaves + kwarg_leaves
-    del arg_leaves, kwarg_leaves
 
     def lifted(index: int, leaf: Any) -> bool:
         if not isinstance(leaf, torch.Tensor):
@@ -146,7 +112,6 @@ def _flattened_call(
     # place are held by reference, as torch holds every keyword argument.
     lifted_positions = set(positions)
     template = [None if index in lifted_positions else leaf for index, leaf in enumerate(leaves)]
-    del leaves
 
     def run(*tensor_args: torch.Tensor) -> Any:
         filled = list(template)
@@ -251,7 +216,7 @@ def checkpoint(
         ...     return block(h) * scale
         >>> y = mlp(x, scale=2.0)
     """
-    compat.pop_legacy_checkpoint_kwargs(kwargs, function=function, stacklevel=2)
+    compat.pop_legacy_checkpoint_kwargs(kwargs, function=function)
     if function is None:
         if args:
             raise TypeError("checkpoint() got positional arguments but no function to run")
@@ -262,11 +227,11 @@ def checkpoint(
             function, args, kwargs, use_reentrant=use_reentrant, pipeline=pipeline, offload=offload
         )
     reentrant = True if use_reentrant is None else bool(use_reentrant)
-    options = _resolve_options(offload)
+    options = resolve(offload)
+    # What is left in kwargs is the function's keyword arguments.
     checkpoint_options = {
         name: kwargs.pop(name) for name in list(kwargs) if name in _CHECKPOINT_OPTION_NAMES
     }
-    function_kwargs = kwargs
     adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)
     if (
         options is None
@@ -278,26 +243,18 @@ def checkpoint(
         # recomputation, save_on_cpu) owns the saved inputs: plain torch checkpoint.
         with adapted:
             return torch_checkpoint.checkpoint(
-                function,
-                *args,
-                use_reentrant=use_reentrant,
-                **checkpoint_options,
-                **function_kwargs,
+                function, *args, use_reentrant=use_reentrant, **checkpoint_options, **kwargs
             )
     pipelined = pipeline and options.pipeline and not legacy_pipeline_disabled()
     call_function, call_args = function, args
-    if not reentrant and _needs_flattening(args, function_kwargs):
-        call_function, call_args = _flattened_call(function, args, function_kwargs)
-        function_kwargs = {}
+    if not reentrant and _needs_flattening(args, kwargs):
+        call_function, call_args = _flattened_call(function, args, kwargs)
+        kwargs = {}
     # unwind_failed_checkpoint: on torch < 2.13 a raising function leaves torch's hooks pushed
-    # above ours; it pops them first, so _OffloadHooks pops its own.
+    # above ours; it pops them first, so ours pop their own.
     with adapted, _hooks_for(options, pipelined), compat.unwind_failed_checkpoint():
         return torch_checkpoint.checkpoint(
-            call_function,
-            *call_args,
-            use_reentrant=use_reentrant,
-            **checkpoint_options,
-            **function_kwargs,
+            call_function, *call_args, use_reentrant=use_reentrant, **checkpoint_options, **kwargs
         )
 
 
@@ -351,7 +308,7 @@ def checkpoint_sequential(
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
         >>> out = checkpoint_sequential(model, 2, torch.randn(2, 16, requires_grad=True))
     """
-    compat.pop_legacy_checkpoint_kwargs(kwargs, stacklevel=2)
+    compat.pop_legacy_checkpoint_kwargs(kwargs)
     preserve = kwargs.pop("preserve_rng_state", True)
     if kwargs:
         raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))

@@ -104,9 +104,8 @@ class OffloadSettings:
         owner = type(self).__name__
         for name in ("min_offload_bytes", "stash_bytes", "prefetch", "max_inflight_bytes"):
             _check_count(owner, name, getattr(self, name))
-        cap: object = self.pool_cap_bytes
-        if cap is not None:
-            _check_count(owner, "pool_cap_bytes", cap)
+        if self.pool_cap_bytes is not None:
+            _check_count(owner, "pool_cap_bytes", self.pool_cap_bytes)
         if self.on_pool_exhausted not in ("pageable", "raise"):
             raise ValueError(
                 f"{owner}.on_pool_exhausted must be 'pageable' or 'raise', "
@@ -321,13 +320,31 @@ def set_side_stream_delay(cycles: int) -> None:
     _side_stream_delay = cycles
 
 
-def resolve(call: OffloadOptions | None) -> ResolvedOptions | None:
-    """Combine the settings in force with a call's options; None when the call offloads nothing.
+def resolve(call: OffloadOptions | bool | None) -> ResolvedOptions | None:
+    """Combine the settings in force with a call's ``offload=``; None when it offloads nothing.
 
-    A training loop makes the same call many times, so the last result is reused as long as the
-    settings, the call's options and the test delay are the same objects and value.
+    ``None`` and ``True`` take the settings alone; ``False``, or options with ``enabled=False``,
+    offload nothing. A training loop makes the same call many times, so the last result is reused
+    as long as the settings, the call's options and the test delay are the same objects and value.
+
+    Raises:
+        TypeError: For an ``offload=`` that is not an :class:`OffloadOptions`, a bool or None.
     """
     global _last
+    if call is False:
+        return None
+    if call is True:
+        call = None
+    elif call is not None and not isinstance(call, OffloadOptions):
+        raise TypeError(
+            "checkpoint() offload= must be an OffloadOptions, True, False or None, "
+            f"got {type(call).__name__}"
+            + (
+                "; device settings are set with matepoint.configure(...) or matepoint.options(...)"
+                if isinstance(call, OffloadSettings)
+                else ""
+            )
+        )
     settings = _defaults
     delay = _side_stream_delay
     last = _last
