@@ -50,7 +50,7 @@ def test_deferred_copy_in_is_poison_until_waited() -> None:
     target, event = channel.copy_in(host, 0)
     assert target.stride() == host.stride()
     assert torch.isnan(target).all()
-    assert channel.wait(event, True) is None
+    assert channel.hand_to_compute(target, event, True) is None
     torch.testing.assert_close(target, host)
     assert test_transport.copies_in == 1
 
@@ -97,7 +97,7 @@ def test_copy_of_a_freed_source_raises() -> None:
         channel.synchronize(event)
 
 
-def test_release_after_copies_keeps_the_memory_until_the_copy_ran() -> None:
+def test_release_mid_copy_keeps_the_memory_until_the_copy_ran() -> None:
     _, channel = _channel()
     source = torch.randn(4, requires_grad=True) * 2  # has an autograd graph
     expected = source.detach().clone()
@@ -105,7 +105,7 @@ def test_release_after_copies_keeps_the_memory_until_the_copy_ran() -> None:
     event = channel.copy_out(source, host, 0)
     probe = torch.utils.weak.WeakTensorKeyDictionary()
     probe[source] = True
-    channel.release_after_copies(source)
+    channel.release_original(source, None, copying=True)
     del source
     assert len(probe) == 0  # the tensor (and its graph) is let go; only its memory is kept
     channel.synchronize(event)

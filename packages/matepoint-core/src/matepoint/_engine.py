@@ -74,32 +74,23 @@ class ChannelEngine:
                     self._shared.append(weakref.ref(shared))
                 return shared
             nbytes = tensor.numel() * tensor.element_size()
-            compute = self.channel.current_compute()
             block = self.pool.acquire(nbytes, options, on_side_stream=pipelined)
-            buffer = block.buffer if block.nbytes == nbytes else block.buffer[:nbytes]
-            host = buffer.view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
             self._sequence += 1
             record = Record(
+                owner=self,
                 sequence=self._sequence,
                 original=tensor,
-                nbytes=nbytes,
                 version=version,
-                host=host,
                 block=block,
                 key=key,
                 pipelined=pipelined,
-                owner=self,
-                witness=compat.version_witness(tensor),
-                compute=compute,
             )
             if pipelined:
-                event = self.channel.copy_out(
-                    tensor, host, options.side_stream_delay_cycles, compute
+                record.copy_event = block.last_event = self.channel.copy_out(
+                    tensor, record.host, options.side_stream_delay_cycles, record.compute
                 )
-                record.copy_event = event
-                block.last_event = event
             else:
-                self.channel.copy_out_now(tensor, host)
+                self.channel.copy_out_now(tensor, record.host)
             # Settle older originals first: the newest is in use by the call now running.
             self._release_held(options)
             reference = weakref.ref(record)
@@ -114,16 +105,12 @@ class ChannelEngine:
     def _release_held(self, options: ResolvedOptions) -> None:
         """Let go of device originals, keeping the newest ``stash_bytes`` of them.
 
-        An original whose copy has finished is dropped after a last version check. One whose
-        copy is still running is handed to the caching allocator (``record_stream`` on the side
-        stream, see Note [Stream ordering]) if matepoint held the last reference, so its memory is
-        reused as soon as the copy ends, without waiting for this host to notice. If something
-        else still references it, it could still be modified in place under the copy, so the
-        engine keeps watching it until the copy has finished and its version can be checked. The
-        host waits for the oldest copies only when more than ``max_inflight_bytes`` are still
+        The host waits for the oldest copies only when more than ``max_inflight_bytes`` are still
         being copied: that bounds device memory when compute outruns the link.
         """
-        self._poll_in_flight()
+        while self._in_flight and self.channel.is_complete(self._in_flight[0][0]):
+            _, nbytes = self._in_flight.popleft()
+            self._in_flight_bytes -= nbytes
         alive = [
             (reference, record)
             for reference in self._held
@@ -132,56 +119,60 @@ class ChannelEngine:
         held_bytes = sum(record.nbytes for _, record in alive)
         kept: deque[weakref.ref[Record]] = deque()
         for reference, record in alive:
-            if held_bytes > options.stash_bytes:
-                event = record.copy_event
-                if event is None or self.channel.is_complete(event):
-                    self._drop_original(record)
-                    held_bytes -= record.nbytes
-                    continue
-                if self._hand_to_allocator(record):
-                    self._in_flight.append((event, record.nbytes))
-                    self._in_flight_bytes += record.nbytes
-                    held_bytes -= record.nbytes
-                    continue
-            kept.append(reference)
+            if held_bytes > options.stash_bytes and self._let_go(record):
+                held_bytes -= record.nbytes
+            else:
+                kept.append(reference)
         self._held = kept
-        self._throttle(options)
+        while self._in_flight_bytes > options.max_inflight_bytes and self._in_flight:
+            event, nbytes = self._in_flight.popleft()
+            self._in_flight_bytes -= nbytes
+            self._wait_for_copy(event)
+        watched = 0
+        for _, record in alive:
+            # Still held (kept above) with its copy perhaps still running.
+            if record.device_tensor is not None and record.copy_event is not None:
+                watched += record.nbytes
+                if watched > options.stash_bytes + options.max_inflight_bytes:
+                    self._wait_for_copy(record.copy_event)
 
-    def _hand_to_allocator(self, record: Record) -> bool:
-        """Release an original whose copy still runs if nothing else references it."""
+    def _let_go(self, record: Record) -> bool:
+        """Release a record's device original; return False if the engine must keep watching it.
+
+        An original whose copy has finished is dropped after a last version check. One whose
+        copy is still running is handed to the caching allocator (``record_stream`` on the side
+        stream, see Note [Stream ordering]) if matepoint held the last reference, so its memory is
+        reused as soon as the copy ends, without waiting for this host to notice. If something
+        else still references it, it could still be modified in place under the copy, so the
+        engine keeps watching it until the copy has finished and its version can be checked.
+        """
+        event = record.copy_event
+        copying = event is not None and not self.channel.is_complete(event)
         tensor = record.device_tensor
         assert tensor is not None
         if tensor._version != record.version:
+            # The original changed before we knew its copy had finished: the host copy may hold
+            # either version, so backward must raise as torch would.
             record.modified = True
-        self.channel.release_original(tensor, record.compute)
-        self.channel.release_after_copies(tensor)
+        self.channel.release_original(tensor, record.compute, copying)
         record.device_tensor = None
+        if not copying:
+            record.copy_event = None
+            use_count = compat.storage_use_count(tensor)
+            del tensor
+            if record.original() is not None or (use_count is not None and use_count > 1):
+                # The tensor, or another view of its storage, lives on elsewhere.
+                self.counters.offloads_freed_nothing += 1
+            return True
         del tensor
         survivor = record.original()
         if survivor is not None:
             # Referenced elsewhere: it may still be modified under the copy. Keep watching.
             record.device_tensor = survivor
             return False
+        self._in_flight.append((event, record.nbytes))
+        self._in_flight_bytes += record.nbytes
         return True
-
-    def _poll_in_flight(self) -> None:
-        while self._in_flight and self.channel.is_complete(self._in_flight[0][0]):
-            _, nbytes = self._in_flight.popleft()
-            self._in_flight_bytes -= nbytes
-
-    def _throttle(self, options: ResolvedOptions) -> None:
-        while self._in_flight_bytes > options.max_inflight_bytes and self._in_flight:
-            event, nbytes = self._in_flight.popleft()
-            self._in_flight_bytes -= nbytes
-            self._wait_for_copy(event)
-        watched = 0
-        for reference in self._held:
-            record = reference()
-            if record is None or record.device_tensor is None or record.copy_event is None:
-                continue
-            watched += record.nbytes
-            if watched > options.stash_bytes + options.max_inflight_bytes:
-                self._wait_for_copy(record.copy_event)
 
     def _wait_for_copy(self, event: Any) -> None:
         """Block the host until a copy out has finished; count it only if it had not."""
@@ -189,22 +180,6 @@ class ChannelEngine:
             return
         self.counters.host_wait_seconds += self.channel.synchronize(event)
         self.counters.throttled_waits += 1
-
-    def _drop_original(self, record: Record) -> None:
-        tensor = record.device_tensor
-        assert tensor is not None
-        if tensor._version != record.version:
-            # The original changed before we knew its copy had finished: the host copy may hold
-            # either version, so backward must raise as torch would.
-            record.modified = True
-        record.copy_event = None
-        self.channel.release_original(tensor, record.compute)
-        use_count = compat.storage_use_count(tensor)
-        del tensor
-        record.device_tensor = None
-        if record.original() is not None or (use_count is not None and use_count > 1):
-            # The tensor, or another view of its storage, lives on elsewhere.
-            self.counters.offloads_freed_nothing += 1
 
     # -- backward --------------------------------------------------------------------------
 
@@ -219,7 +194,9 @@ class ChannelEngine:
             current = record.witness._version
             if record.modified or current != record.version:
                 current = max(current, record.version + 1)
-                raise inplace_error(record.witness.type(), record.shape, current, record.version)
+                raise inplace_error(
+                    record.witness.type(), record.host.shape, current, record.version
+                )
             if original is not None:
                 # Still on the device (stash, copy in flight, or kept alive elsewhere): no copy.
                 self.counters.stash_hits += 1
@@ -230,9 +207,8 @@ class ChannelEngine:
                 result = record.fetched
                 self.counters.shared_fetch_hits += 1
             elif record.prefetched is not None:
-                result = record.prefetched
-                self._wait(record.prefetch_event, options)
-                self.channel.hand_to_compute(result)
+                result, event = record.prefetched
+                self._hand_over(result, event, options)
                 record.prefetched = None
                 self.counters.prefetch_hits += 1
             elif record.pipelined:
@@ -240,8 +216,7 @@ class ChannelEngine:
                 record.block.last_event = event
                 self.counters.fetches += 1
                 self.counters.bytes_fetched += record.nbytes
-                self._wait(event, options)
-                self.channel.hand_to_compute(result)
+                self._hand_over(result, event, options)
             else:
                 result = self.channel.copy_in_now(record.host)
                 self.counters.fetches += 1
@@ -255,48 +230,43 @@ class ChannelEngine:
                 self._prefetch_before(record, options)
             return result
 
-    def _wait(self, event: Any, options: ResolvedOptions) -> None:
-        token = self.channel.wait(event, options.measure_waits)
+    def _hand_over(self, tensor: torch.Tensor, event: Any, options: ResolvedOptions) -> None:
+        """Hand a tensor copied back on the side stream to compute, after its copy's ``event``."""
+        token = self.channel.hand_to_compute(tensor, event, options.measure_waits)
         if token is not None:
             self._timings.append(token)
             if len(self._timings) > _TIMING_BACKLOG:
-                self._resolve_timings(block=True, limit=len(self._timings) - _TIMING_BACKLOG)
+                self._resolve_timings(block=True, keep=_TIMING_BACKLOG)
 
     def _prefetch_before(self, record: Record, options: ResolvedOptions) -> None:
-        """Start copying back what backward needs next: shared records first, then look-ahead."""
-        index = bisect.bisect_left(self._order, record.sequence)
-        if self._shared:
-            window_start = self._order[max(index - options.prefetch, 0)]
-            self._prefetch_shared(window_start, record, options)
-        if record.unpacks % record.packs:
-            # A shared record used by a later checkpoint: its pack position says nothing about
-            # what backward needs next. See Note [Shared records].
-            return
-        self._prefetch_scan(index - 1, record.unpacks // record.packs, options)
-
-    def _prefetch_shared(
-        self, window_start: int, current: Record, options: ResolvedOptions
-    ) -> None:
-        """Prefetch shared records whose first use in this backward pass is close.
+        """Start copying back what backward needs next: shared records first, then look-ahead.
 
         See Note [Shared records]. A record several checkpoints share (the embedding every block
         of a GPT mixes in) was packed long before the checkpoints that use it last, which are
         the ones backward reaches first, so the pack-order look-ahead never reaches it in time.
         Its latest use (``last_use``, the pack sequence of the newest checkpoint that saved it)
-        is where backward first needs it: prefetch it when that falls in the look-ahead window
-        that ends at ``current``, the record being unpacked. Later in the pass ``last_use`` lies
-        above the window, and ``current`` itself has just been served.
+        is where backward first needs it: it is prefetched when that falls in the look-ahead
+        window that ends at ``record``, the one being unpacked. Later in the pass ``last_use``
+        lies above the window, and ``record`` itself has just been served.
         """
-        # Dead entries go in _settle_graveyard, which restore ran just before.
-        for reference in self._shared:
-            candidate = reference()
-            if (
-                candidate is not None
-                and candidate is not current
-                and window_start <= candidate.last_use <= current.sequence
-                and candidate.pipelined
-            ) and not self._start_prefetch(candidate, options):
-                break
+        index = bisect.bisect_left(self._order, record.sequence)
+        if self._shared:
+            window_start = self._order[max(index - options.prefetch, 0)]
+            # Dead entries go in _settle_graveyard, which restore ran just before.
+            for reference in self._shared:
+                candidate = reference()
+                if (
+                    candidate is not None
+                    and candidate is not record
+                    and window_start <= candidate.last_use <= record.sequence
+                    and candidate.pipelined
+                ) and not self._start_prefetch(candidate, options):
+                    break
+        if record.unpacks % record.packs:
+            # A shared record used by a later checkpoint: its pack position says nothing about
+            # what backward needs next.
+            return
+        self._prefetch_scan(index - 1, record.unpacks // record.packs, options)
 
     def prefetch_newest(self, options: ResolvedOptions) -> None:
         """Start copying back the newest records not yet unpacked (what backward needs first)."""
@@ -342,8 +312,7 @@ class ChannelEngine:
             # demand when its unpack comes (which raises if memory is still short).
             self.counters.prefetches_skipped += 1
             return False
-        candidate.prefetched = tensor
-        candidate.prefetch_event = event
+        candidate.prefetched = (tensor, event)
         candidate.block.last_event = event
         self.counters.prefetches += 1
         self.counters.fetches += 1
@@ -368,15 +337,14 @@ class ChannelEngine:
         if settled and len(self._order) > 2 * len(self._records) + 16:
             self._order = [sequence for sequence in self._order if sequence in self._records]
 
-    def _resolve_timings(self, block: bool, limit: int | None = None) -> None:
-        resolved = 0
-        while self._timings and (limit is None or resolved < limit):
+    def _resolve_timings(self, block: bool, keep: int = 0) -> None:
+        """Add measured compute waits to the counters, leaving at most ``keep`` unresolved."""
+        while len(self._timings) > keep:
             seconds = self.channel.wait_seconds(self._timings[0], block)
             if seconds is None:
                 break
             self._timings.popleft()
             self.counters.compute_wait_seconds += seconds
-            resolved += 1
 
     def settle(self, block: bool) -> None:
         """Bring counters and the pool up to date (dead records, finished timings)."""
@@ -391,27 +359,24 @@ class ChannelEngine:
             return sum(1 for reference in self._records.values() if reference() is not None)
 
     def idle(self) -> bool:
-        """Return whether no record, held original or pinned block in use is left."""
+        """Return whether no record, held original, copy in flight or pinned block in use is left.
+
+        Originals are held only for live records, so no live record means none is held.
+        """
         with self.lock:
-            return (
-                self.live_records() == 0
-                and self.held_bytes() == 0
-                and self.pool.in_use_bytes == 0
-                and not self._in_flight
-            )
+            return self.live_records() == 0 and self.pool.in_use_bytes == 0 and not self._in_flight
 
     def held_bytes(self) -> int:
         """Return device bytes of originals the engine still references (stash and in flight)."""
         with self.lock:
-            total = 0
-            for reference in self._held:
-                record = reference()
-                if record is not None and record.device_tensor is not None:
-                    total += record.nbytes
-            return total
+            return sum(
+                record.nbytes
+                for reference in self._held
+                if (record := reference()) is not None and record.device_tensor is not None
+            )
 
     def release_pool(self) -> int:
         """Free idle pinned blocks; return the bytes freed."""
         with self.lock:
             self._settle_graveyard()
-            return self.pool.release_all_idle()
+            return self.pool.release_idle()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from matepoint import _registry
 from matepoint._options import resolve
-from matepoint._registry import all_engines, reset_retired, retired_counts
+from matepoint._registry import all_engines
 from matepoint._saving import kept_counters
 from matepoint._stats import OffloadStats, format_report
 
@@ -26,12 +27,11 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
         True
     """
     snapshot = OffloadStats()
-    engines = all_engines()
-    for engine in engines:
+    snapshot.add(kept_counters)
+    snapshot.add(_registry.retired)
+    for engine in all_engines():
         engine.settle(block=synchronize)
-    for counts in [kept_counters(), retired_counts()] + [engine.counters for engine in engines]:
-        snapshot.add(counts)
-    for engine in engines:
+        snapshot.add(engine.counters)
         snapshot.add(engine.pool.snapshot())
         snapshot.live_records += engine.live_records()
         snapshot.device_bytes_held += engine.held_bytes()
@@ -52,8 +52,8 @@ def reset_stats() -> None:
         >>> matepoint.stats().offloads
         0
     """
-    kept_counters().reset()
-    reset_retired()
+    kept_counters.reset()
+    _registry.retired = OffloadStats()
     for engine in all_engines():
         with engine.lock:
             engine.counters.reset()

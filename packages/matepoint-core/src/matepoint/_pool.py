@@ -50,7 +50,6 @@ class PinnedPool:
         self._channel = channel
         self._idle: OrderedDict[int, list[HostBlock]] = OrderedDict()
         self.pinned_bytes = 0
-        self.idle_bytes = 0
         self.in_use_bytes = 0
         self.pageable_bytes = 0
         self.blocks_allocated = 0
@@ -78,7 +77,6 @@ class PinnedPool:
             block = idle.pop()
             if not idle:
                 del self._idle[nbytes]
-            self.idle_bytes -= nbytes
             self.in_use_bytes += nbytes
             self.blocks_reused += 1
             if not on_side_stream and block.last_event is not None:
@@ -87,7 +85,7 @@ class PinnedPool:
             return block
         cap = options.pool_cap_bytes
         if cap is not None and self.pinned_bytes + nbytes > cap:
-            self._release_idle(target_idle=cap - nbytes - (self.pinned_bytes - self.idle_bytes))
+            self.release_idle(target_idle=cap - nbytes - self.in_use_bytes)
             if self.pinned_bytes + nbytes > cap:
                 return self._fallback(
                     nbytes,
@@ -99,7 +97,7 @@ class PinnedPool:
         try:
             buffer = self._channel.allocate_host(nbytes)
         except RuntimeError as error:
-            self._release_idle(target_idle=0)
+            self.release_idle()
             try:
                 buffer = self._channel.allocate_host(nbytes)
             except RuntimeError:
@@ -109,7 +107,8 @@ class PinnedPool:
         self.pinned_bytes += nbytes
         self.in_use_bytes += nbytes
         self.blocks_allocated += 1
-        self._trim_idle()
+        # A new size was just allocated: sizes sitting idle are from shapes no longer asked for.
+        self.release_idle(max(_IDLE_FLOOR_BYTES, int(_IDLE_FRACTION * self.in_use_bytes)))
         return HostBlock(buffer, pinned=True)
 
     def _fallback(self, nbytes: int, options: OffloadSettings, failure: str) -> HostBlock:
@@ -142,18 +141,19 @@ class PinnedPool:
             self.pageable_bytes -= block.nbytes
             return
         self.in_use_bytes -= block.nbytes
-        self.idle_bytes += block.nbytes
         self._idle.setdefault(block.nbytes, []).append(block)
         self._idle.move_to_end(block.nbytes)
 
-    def _trim_idle(self) -> None:
-        # A new size was just allocated: sizes sitting idle are from shapes no longer asked for.
-        bound = max(_IDLE_FLOOR_BYTES, int(_IDLE_FRACTION * self.in_use_bytes))
-        if self.idle_bytes > bound:
-            self._release_idle(target_idle=bound)
+    def release_idle(self, target_idle: int = 0) -> int:
+        """Free idle blocks until at most ``target_idle`` bytes are idle, oldest sizes first.
 
-    def _release_idle(self, target_idle: int) -> None:
-        while self.idle_bytes > target_idle and self._idle:
+        The oldest sizes are those given back longest ago.
+
+        Returns:
+            The bytes freed (0 when no more than ``target_idle`` were idle).
+        """
+        before = self.pinned_bytes
+        while self.pinned_bytes - self.in_use_bytes > target_idle and self._idle:
             nbytes, blocks = next(iter(self._idle.items()))
             block = blocks.pop()
             if not blocks:
@@ -161,8 +161,8 @@ class PinnedPool:
             if block.last_event is not None:
                 # The side stream may still copy into or out of this block.
                 self._channel.synchronize(block.last_event)
-            self.idle_bytes -= nbytes
             self.pinned_bytes -= nbytes
+        return before - self.pinned_bytes
 
     def snapshot(self) -> OffloadStats:
         """Return the pool's sizes and event counts as the ``pool_*`` fields of a stats snapshot."""
@@ -173,9 +173,3 @@ class PinnedPool:
             pool_blocks_reused=self.blocks_reused,
             pageable_fallbacks=self.pageable_fallbacks,
         )
-
-    def release_all_idle(self) -> int:
-        """Free every idle block; return the bytes freed."""
-        before = self.pinned_bytes
-        self._release_idle(target_idle=0)
-        return before - self.pinned_bytes

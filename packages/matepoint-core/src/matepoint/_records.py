@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import matepoint_compat as compat
 from matepoint._errors import InplaceModificationError
 
 if TYPE_CHECKING:
@@ -29,17 +30,14 @@ if TYPE_CHECKING:
 __all__ = ["KeptTensor", "Record", "inplace_error"]
 
 
-def _describe(tensor_type: str, shape: tuple[int, ...]) -> str:
-    return f"[{tensor_type} [{', '.join(str(size) for size in shape)}]]"
-
-
 def inplace_error(
     tensor_type: str, shape: tuple[int, ...], version: int, expected: int
 ) -> InplaceModificationError:
     """Build the error for a saved checkpoint input modified in place, worded as torch words it."""
+    sizes = ", ".join(str(size) for size in shape)
     return InplaceModificationError(
         "one of the variables needed for gradient computation has been modified by an inplace "
-        f"operation: {_describe(tensor_type, shape)} (an input of a matepoint.checkpoint) is at "
+        f"operation: [{tensor_type} [{sizes}]] (an input of a matepoint.checkpoint) is at "
         f"version {version}; expected version {expected} instead. Hint: clone the input before "
         "modifying it in place, or modify it only after backward."
     )
@@ -53,17 +51,19 @@ class KeptTensor:
 
     __slots__ = ("tensor", "version")
 
-    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+    def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.version = version
+        try:
+            self.version = tensor._version
+        except RuntimeError:  # inference tensors have no version counter
+            self.version = -1
 
     def unpack(self) -> torch.Tensor:
         """Return the tensor, or raise if it was modified in place since it was saved."""
-        if self.version >= 0 and self.tensor._version != self.version:
-            raise inplace_error(
-                self.tensor.type(), tuple(self.tensor.shape), self.tensor._version, self.version
-            )
-        return self.tensor
+        tensor = self.tensor
+        if self.version >= 0 and tensor._version != self.version:
+            raise inplace_error(tensor.type(), tensor.shape, tensor._version, self.version)
+        return tensor
 
 
 class Record:
@@ -75,9 +75,11 @@ class Record:
             flight), else None.
         original: Weak reference to the original tensor, to serve it again without a copy when
             something else keeps it alive.
-        host: The host copy (a view of ``block``), shaped and strided like the original.
+        host: The host copy (a view of ``block``, which has exactly its size), shaped and
+            strided like the original.
         copy_event: Event of the copy to the host (None when synchronous).
-        prefetched: A device copy brought back ahead of its unpack, and its event.
+        prefetched: A device copy brought back ahead of its unpack and its event, as
+            ``Channel.copy_in`` returned them.
         modified: Set when the original was seen modified in place before its copy completed.
         witness: Shares the original's version counter without holding its memory, so writes
             through any alias are seen in backward. See Note [Version witness] in
@@ -108,10 +110,8 @@ class Record:
         "owner",
         "packs",
         "pipelined",
-        "prefetch_event",
         "prefetched",
         "sequence",
-        "shape",
         "unpacks",
         "version",
         "witness",
@@ -120,46 +120,37 @@ class Record:
     def __init__(
         self,
         *,
+        owner: ChannelEngine,
         sequence: int,
         original: torch.Tensor,
-        nbytes: int,
         version: int,
-        host: torch.Tensor,
         block: HostBlock,
         key: tuple[Any, ...],
         pipelined: bool,
-        owner: ChannelEngine,
-        witness: torch.Tensor,
-        compute: Any,
     ) -> None:
+        self.owner = owner
         self.sequence = sequence
         self.device_tensor: torch.Tensor | None = original
         self.original = weakref.ref(original)
-        self.host = host
+        self.host = block.buffer.view(original.dtype).as_strided(original.shape, original.stride())
         self.block = block
         self.key = key
-        self.nbytes = nbytes
-        self.shape = original.shape
+        self.nbytes = block.nbytes
         self.version = version
         self.pipelined = pipelined
         self.copy_event: Any = None
-        self.prefetched: torch.Tensor | None = None
-        self.prefetch_event: Any = None
+        self.prefetched: tuple[torch.Tensor, Any] | None = None
         self.modified = False
         self.unpacks = 0
         self.packs = 1
         self.last_use = sequence
         self.fetched: torch.Tensor | None = None
-        self.owner = owner
-        self.witness = witness
-        self.compute = compute
+        self.witness = compat.version_witness(original)
+        self.compute = owner.channel.current_compute()
 
     def __del__(self) -> None:
         # See Note [Record lifetime]: no locks here.
-        device_tensor = self.device_tensor
-        if device_tensor is not None:
-            channel = self.owner.channel
-            channel.release_original(device_tensor, self.compute)
-            if self.copy_event is not None:
-                channel.release_after_copies(device_tensor)
+        if self.device_tensor is not None:
+            copying = self.copy_event is not None
+            self.owner.channel.release_original(self.device_tensor, self.compute, copying)
         self.owner.graveyard.append((self.block, self.key, self.sequence))

@@ -1,9 +1,10 @@
 """Which transport is in use, and the one engine per device channel it has.
 
 Tests install a :class:`matepoint.testing.CPUTestTransport` through ``use_transport``; otherwise
-the CUDA transport is created on first use. Engines are looked up by their channel key; when the
-transport is swapped out, engines of the old one that hold nothing any more are forgotten (their
-counts kept for stats), so an unused transport and its pool can be freed.
+the CUDA transport is in use (it holds nothing until it creates a channel). Engines are looked up
+by their channel key; when the transport is swapped out, engines of the old one that hold nothing
+any more are forgotten (their counts kept for stats), so an unused transport and its pool can be
+freed.
 """
 
 from __future__ import annotations
@@ -17,27 +18,18 @@ from matepoint._engine import ChannelEngine
 from matepoint._stats import OffloadStats
 from matepoint._transport import CudaTransport, Transport
 
-__all__ = [
-    "all_engines",
-    "engine_for",
-    "reset_retired",
-    "retired_counts",
-    "set_transport",
-    "transport",
-]
+__all__ = ["all_engines", "engine_for", "retired", "set_transport", "transport"]
 
 _transport_lock = threading.Lock()
-_transport: Transport | None = None
+_transport: Transport = CudaTransport()
 _engines: dict[Hashable, ChannelEngine] = {}
+# What engines forgotten since the last reset counted, so stats still include it
+# (``matepoint.reset_stats`` puts a fresh one in its place).
+retired = OffloadStats()
 
 
 def transport() -> Transport:
     """Return the process-wide transport (the CUDA one unless a test installed another)."""
-    global _transport
-    if _transport is None:
-        with _transport_lock:
-            if _transport is None:
-                _transport = CudaTransport()
     return _transport
 
 
@@ -54,29 +46,10 @@ def set_transport(new_transport: Transport) -> None:
         for key, engine in list(_engines.items()):
             if engine.transport is not new_transport and engine.idle():
                 del _engines[key]
-                _retire(engine)
-
-
-# What engines forgotten since the last reset counted, so stats still include it.
-_retired = OffloadStats()
-
-
-def _retire(engine: ChannelEngine) -> None:
-    with engine.lock:
-        engine.pool.release_all_idle()
-        _retired.add(engine.counters)
-        _retired.add(engine.pool.snapshot())  # an idle engine's pool: only its event counts
-
-
-def retired_counts() -> OffloadStats:
-    """Return the counts of engines forgotten since the last reset (see :func:`reset_retired`)."""
-    return _retired
-
-
-def reset_retired() -> None:
-    """Forget the counts of engines forgotten so far (``matepoint.reset_stats``)."""
-    global _retired
-    _retired = OffloadStats()
+                with engine.lock:
+                    engine.pool.release_idle()
+                    retired.add(engine.counters)
+                    retired.add(engine.pool.snapshot())  # an idle pool: only its event counts
 
 
 def all_engines() -> list[ChannelEngine]:

@@ -24,28 +24,17 @@ def _is_dense(tensor: torch.Tensor) -> bool:
     """Whether the tensor's elements fill exactly ``numel`` storage slots, without overlap."""
     if tensor.is_contiguous():
         return True
-    dims = sorted(
-        (stride, size)
-        for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-        if size != 1
-    )
     expected = 1
-    for stride, size in dims:
-        if stride != expected:
+    # Innermost first; a size-1 dimension may have any stride and changes nothing.
+    for stride, size in sorted(zip(tensor.stride(), tensor.shape, strict=True)):
+        if size != 1 and stride != expected:
             return False
         expected *= size
     return True
 
 
-def _keep(tensor: torch.Tensor) -> KeptTensor:
-    try:
-        version = tensor._version
-    except RuntimeError:  # inference tensors have no version counter
-        version = -1
-    return KeptTensor(tensor, version)
-
-
-_kept_counters = Counters()
+# Counts of tensors left in place (not per device), under ``_kept_lock``.
+kept_counters = Counters()
 _kept_lock = threading.Lock()
 
 
@@ -98,12 +87,6 @@ def _stays_on_device(tensor: torch.Tensor) -> bool:
 KeepReason = Literal["parameter", "other", "small", "empty"]
 """Why a saved input stays where it is; ``"empty"`` is torch 2.4-2.11's 0-element dummy."""
 
-_KEPT_COUNTERS: dict[KeepReason, str] = {
-    "parameter": "skipped_parameters",
-    "other": "skipped_other",
-    "small": "skipped_small",
-}
-
 
 def keep_reason(tensor: torch.Tensor, min_offload_bytes: int) -> KeepReason | None:
     """Why a saved input stays where it is, whatever device it is on; None if it may move.
@@ -127,9 +110,12 @@ def keep_reason(tensor: torch.Tensor, min_offload_bytes: int) -> KeepReason | No
 
 def count_kept(counters: Counters, reason: KeepReason) -> None:
     """Count a saved input kept in place under its reason (the 0-element dummy is not counted)."""
-    name = _KEPT_COUNTERS.get(reason)
-    if name is not None:
-        setattr(counters, name, getattr(counters, name) + 1)
+    if reason == "small":
+        counters.skipped_small += 1
+    elif reason == "parameter":
+        counters.skipped_parameters += 1
+    elif reason == "other":
+        counters.skipped_other += 1
 
 
 def pack(tensor: torch.Tensor, options: ResolvedOptions, pipelined: bool) -> Record | KeptTensor:
@@ -151,8 +137,8 @@ def pack(tensor: torch.Tensor, options: ResolvedOptions, pipelined: bool) -> Rec
             return engine_for(key, tensor, active).offload(tensor, options, pipelined)
         reason = "other"
     with _kept_lock:
-        count_kept(_kept_counters, reason)
-    return _keep(tensor)
+        count_kept(kept_counters, reason)
+    return KeptTensor(tensor)
 
 
 def unpack(saved: Record | KeptTensor, options: ResolvedOptions) -> torch.Tensor:
@@ -165,8 +151,3 @@ def unpack(saved: Record | KeptTensor, options: ResolvedOptions) -> torch.Tensor
     if isinstance(saved, KeptTensor):
         return saved.unpack()
     return saved.owner.restore(saved, options)
-
-
-def kept_counters() -> Counters:
-    """Return the counters of tensors left in place (not per device)."""
-    return _kept_counters

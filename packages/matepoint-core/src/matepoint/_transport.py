@@ -51,8 +51,6 @@ __all__ = ["Channel", "CudaTransport", "Transport"]
 class Channel(Protocol):
     """One device's copy machinery: its side stream, events and host allocation."""
 
-    device: torch.device
-
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         """Return ``nbytes`` of pinned host memory as 1-D uint8 (may raise RuntimeError)."""
 
@@ -63,11 +61,11 @@ class Channel(Protocol):
         """Return the compute stream now current on the device (a token for the engine)."""
 
     def copy_out(
-        self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int, compute: Any = None
+        self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int, compute: Any
     ) -> Any:
         """Queue ``host.copy_(source)`` on the side stream after ``compute``; return its event.
 
-        ``compute`` is :meth:`current_compute`'s token when the caller has it, else None.
+        ``compute`` is :meth:`current_compute`'s token.
         """
 
     def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
@@ -79,23 +77,20 @@ class Channel(Protocol):
     def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
         """Copy ``host`` into a new device tensor on the compute stream, done on return."""
 
-    def wait(self, event: Any, measure: bool) -> Any:
-        """Make the compute stream wait on ``event``; return a timing token or None."""
+    def hand_to_compute(self, tensor: torch.Tensor, event: Any, measure: bool) -> Any:
+        """Make the compute stream wait on ``event``, then mark ``tensor`` as used by it.
 
-    def hand_to_compute(self, tensor: torch.Tensor) -> None:
-        """Mark a side-stream tensor as used by the compute stream (allocator lifetime)."""
-
-    def release_after_copies(self, tensor: torch.Tensor) -> None:
-        """Let ``tensor`` go once the side stream's queued work is done (allocator lifetime).
-
-        Called when the engine lets a device original go while its copy may still run.
+        ``tensor`` was copied back on the side stream; the mark is for the allocator (lifetime).
+        Returns a timing token (``measure``) or None.
         """
 
-    def release_original(self, tensor: torch.Tensor, compute: Any) -> None:
+    def release_original(self, tensor: torch.Tensor, compute: Any, copying: bool) -> None:
         """Let ``tensor`` go once the work queued on ``compute`` so far is done.
 
         ``compute`` is the stream its checkpoint ran on (:meth:`current_compute` at pack time),
-        which may differ from the stream the tensor was allocated on. See Note [Stream ordering].
+        which may differ from the stream the tensor was allocated on. With ``copying`` (its copy
+        out may still run) the side stream's queued work must be done too. See Note [Stream
+        ordering]. Allocator lifetime only.
         """
 
     def is_complete(self, event: Any) -> bool:
@@ -141,9 +136,6 @@ class _CudaChannel:
         # Host blocks name their device: a default-device context must not put them on the GPU.
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
-    def _compute_stream(self) -> Any:
-        return self._module.current_stream(self.index)
-
     def current_compute(self) -> Any:
         return self._module.current_stream(self.index)
 
@@ -159,10 +151,8 @@ class _CudaChannel:
             compat.set_current_stream(self._module, compute)
 
     def copy_out(
-        self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int, compute: Any = None
+        self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int, compute: Any
     ) -> Any:
-        if compute is None:
-            compute = self._compute_stream()
         self._compute_done.record(compute)
         self.side_stream.wait_event(self._compute_done)
         compat.delay_stream(self.side_stream, delay_cycles)
@@ -173,14 +163,10 @@ class _CudaChannel:
 
     def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
         compat.delay_stream(self.side_stream, delay_cycles)
-
-        def copy() -> torch.Tensor:
-            target = torch.empty_strided(
-                host.size(), host.stride(), dtype=host.dtype, device=self.device
-            )
-            return target.copy_(host, non_blocking=True)
-
-        target = self._on_side_stream(self._compute_stream(), copy)
+        # ``to`` allocates a dense host's exact strides (``empty_strided``), then copies.
+        target = self._on_side_stream(
+            self.current_compute(), lambda: host.to(self.device, non_blocking=True)
+        )
         done = self._module.Event()
         done.record(self.side_stream)
         return target, done
@@ -189,14 +175,12 @@ class _CudaChannel:
         host.copy_(source, non_blocking=False)
 
     def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
-        target = torch.empty_strided(
-            host.size(), host.stride(), dtype=host.dtype, device=self.device
-        )
-        target.copy_(host, non_blocking=False)
-        return target
+        return host.to(self.device)
 
-    def wait(self, event: Any, measure: bool) -> Any:
-        compute = self._compute_stream()
+    def hand_to_compute(self, tensor: torch.Tensor, event: Any, measure: bool) -> Any:
+        compute = self.current_compute()
+        # Only marks the allocator block: ordered against ``compute`` when the tensor is freed.
+        tensor.record_stream(compute)
         if not measure or event.query():
             compute.wait_event(event)
             return None
@@ -207,14 +191,10 @@ class _CudaChannel:
         after.record(compute)
         return (before, after)
 
-    def hand_to_compute(self, tensor: torch.Tensor) -> None:
-        tensor.record_stream(self._compute_stream())
-
-    def release_after_copies(self, tensor: torch.Tensor) -> None:
-        tensor.record_stream(self.side_stream)
-
-    def release_original(self, tensor: torch.Tensor, compute: Any) -> None:
+    def release_original(self, tensor: torch.Tensor, compute: Any, copying: bool) -> None:
         tensor.record_stream(compute)
+        if copying:
+            tensor.record_stream(self.side_stream)
 
     def is_complete(self, event: Any) -> bool:
         return bool(event.query())
@@ -243,9 +223,7 @@ class CudaTransport:
     """
 
     def channel_key(self, tensor: torch.Tensor) -> Hashable | None:
-        if tensor.device.type != "cuda":
-            return None
-        return ("cuda", tensor.device.index)
+        return ("cuda", tensor.device.index) if tensor.device.type == "cuda" else None
 
     def channel(self, tensor: torch.Tensor) -> Channel:
         assert tensor.device.index is not None

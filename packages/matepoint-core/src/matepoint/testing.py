@@ -48,8 +48,7 @@ class CopyReadFreedMemory(AssertionError):
 
 
 class _FakeEvent:
-    def __init__(self, stream: _FakeStream) -> None:
-        self.stream = stream
+    def __init__(self) -> None:
         self.done = False
 
 
@@ -62,7 +61,7 @@ class _FakeStream:
         self.drain_lock = threading.RLock()
 
     def enqueue(self, operation: Callable[[], object]) -> _FakeEvent:
-        event = _FakeEvent(self)
+        event = _FakeEvent()
         with self.lock:
             self.pending.append((operation, event))
         return event
@@ -102,10 +101,9 @@ class _QueuedRead:
 
 class _CPUTestChannel:
     def __init__(self, owner: CPUTestTransport) -> None:
-        self.device = torch.device("cpu")
         self.owner = owner
         self.side = _FakeStream()
-        # Queued copies by source, for release_after_copies (weak keys: no tensor kept alive).
+        # Queued copies by source, for release_original (weak keys: no tensor kept alive).
         self.queued_reads: weakref.WeakKeyDictionary[Any, list[_QueuedRead]] = (
             torch.utils.weak.WeakTensorKeyDictionary()  # type: ignore[assignment]
         )
@@ -137,9 +135,8 @@ class _CPUTestChannel:
 
         def run() -> None:
             reads.remove(read)
-            alive = source_ref()
-            if alive is None:
-                alive = read.memory
+            # The source itself, or the memory kept for this read once the source was let go.
+            alive = source_ref() if read.memory is None else read.memory
             if alive is None:
                 raise CopyReadFreedMemory(
                     "a copy to the host ran after its device source was released"
@@ -171,23 +168,19 @@ class _CPUTestChannel:
         self.owner.copies_in += 1
         return host.clone()
 
-    def wait(self, event: Any, measure: bool) -> Any:
+    def hand_to_compute(self, tensor: torch.Tensor, event: Any, measure: bool) -> Any:
         self.side.run_until(event)
         return None
 
-    def hand_to_compute(self, tensor: torch.Tensor) -> None:
-        pass
-
-    def release_after_copies(self, tensor: torch.Tensor) -> None:
-        # Stands in for record_stream: the allocator keeps the memory until queued copies finish.
-        # It keeps the memory only (a detached alias), never the tensor: the tensor would keep
-        # its autograd graph, and the records in it, alive.
-        for read in self.queued_reads.get(tensor, ()):
-            read.memory = tensor.detach()
-
-    def release_original(self, tensor: torch.Tensor, compute: Any) -> None:
+    def release_original(self, tensor: torch.Tensor, compute: Any, copying: bool) -> None:
         # The CPU stands in with one compute stream, which orders every read already.
         self.owner.originals_released += 1
+        if copying:
+            # Stands in for record_stream on the side stream: the allocator keeps the memory
+            # until queued copies finish. It keeps the memory only (a detached alias), never the
+            # tensor: the tensor would keep its autograd graph, and the records in it, alive.
+            for read in self.queued_reads.get(tensor, ()):
+                read.memory = tensor.detach()
 
     def is_complete(self, event: Any) -> bool:
         if not event.done and self.owner.completion == "on_query":
@@ -244,9 +237,7 @@ class CPUTestTransport:
         self._channel = _CPUTestChannel(self)
 
     def channel_key(self, tensor: torch.Tensor) -> Hashable | None:
-        if tensor.device.type != "cpu":
-            return None
-        return ("cpu-test", id(self))
+        return ("cpu-test", id(self)) if tensor.device.type == "cpu" else None
 
     def channel(self, tensor: torch.Tensor) -> Channel:
         return self._channel
