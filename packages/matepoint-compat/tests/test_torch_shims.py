@@ -173,3 +173,21 @@ def test_checkpoint_wrapper_shims_reach_torchs_wrapper() -> None:
     assert not isinstance(model[1], CheckpointWrapper)
     model(torch.ones(1, 2, requires_grad=True)).sum().backward()
     assert len(calls) == 1
+
+
+# --- private tensor attributes the core reads directly (every release) ------------------------
+
+
+def test_private_tensor_attributes_the_core_reads_keep_their_meaning() -> None:
+    # See Note [Private tensor attributes read directly] in matepoint_compat.
+    parameter = torch.nn.Parameter(torch.zeros(4, 4))
+    view = parameter[1:]
+    assert view._is_view()
+    assert view._base is parameter
+    assert not parameter._is_view()
+    assert parameter._base is None
+    base = torch.zeros(4)
+    alias = base[:2]
+    before = base._version
+    alias.add_(1)  # a write through a view bumps the counter the base shares
+    assert base._version == alias._version == before + 1

@@ -2,6 +2,13 @@
 
 Everything that differs between torch releases lives here, behind the named gates of
 ``matepoint_compat._version``. This package never imports ``matepoint`` (the core).
+
+Note [Private tensor attributes read directly]
+    Three private-named tensor attributes are read by the core without a shim: ``_version``
+    (the in-place version counter), ``_is_view()`` and ``_base`` (a view and what it views).
+    They sit on the per-tensor hot path, where a shim would add a Python call per saved tensor,
+    and they have the same meaning on every supported release (2.4 to 2.15).
+    ``test_torch_shims.py`` pins that meaning, so a release that changes it fails there first.
 """
 
 # Each submodule's __all__ is the one list of its public names; the star imports re-export

@@ -61,7 +61,8 @@ class ChannelEngine:
         """Start moving ``tensor`` to the host and return its record (or a shared one)."""
         with self.lock:
             self._settle_graveyard()
-            # Same memory, layout and version: the same saved value (dedupe).
+            # Same memory, layout and version: the same saved value (dedupe). ``_version``: see
+            # Note [Private tensor attributes read directly] in matepoint_compat.
             version = tensor._version
             key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, version)
             shared_ref = self._by_key.get(key)

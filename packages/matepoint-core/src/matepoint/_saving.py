@@ -98,6 +98,7 @@ def keep_reason(tensor: torch.Tensor, min_offload_bytes: int) -> KeepReason | No
     """
     if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
         return "parameter" if isinstance(tensor, torch.nn.Parameter) else "other"
+    # See Note [Private tensor attributes read directly] in matepoint_compat.
     if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
         return "parameter"
     if _stays_on_device(tensor):
