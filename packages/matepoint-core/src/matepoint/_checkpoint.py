@@ -37,7 +37,9 @@ _CHECKPOINT_OPTION_NAMES = frozenset(
         "respect_saved_tensors_hooks",
     }
 )
-_SIMPLE_LEAF_TYPES = (torch.Tensor, int, float, bool, str, type(None))
+# Arguments passed through as they are: plain values, and tensors given positionally.
+_PLAIN_TYPES = (int, float, bool, str, type(None))
+_SIMPLE_LEAF_TYPES = (torch.Tensor, *_PLAIN_TYPES)
 
 
 # The hooks of the last call: a training loop repeats one set of options (``resolve`` returns
@@ -68,11 +70,8 @@ def _hooks_for(options: ResolvedOptions, pipelined: bool) -> saved_tensors_hooks
 
 
 def _needs_flattening(args: tuple[Any, ...], function_kwargs: dict[str, Any]) -> bool:
-    if any(not isinstance(value, _SIMPLE_LEAF_TYPES) for value in args):
-        return True
-    return any(
-        not isinstance(value, _SIMPLE_LEAF_TYPES) or isinstance(value, torch.Tensor)
-        for value in function_kwargs.values()
+    return any(not isinstance(value, _SIMPLE_LEAF_TYPES) for value in args) or any(
+        not isinstance(value, _PLAIN_TYPES) for value in function_kwargs.values()
     )
 
 
@@ -91,21 +90,15 @@ def _flattened_call(
     arg_leaves, arg_spec = compat.tree_flatten(args)
     kwarg_leaves, kwarg_spec = compat.tree_flatten(function_kwargs)
     positional_count = len(arg_leaves)
-    positional_devices = {
-        leaf.device
-        for leaf in arg_leaves
-        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu"
-    }
+    # Every positional tensor is on one of these devices, so all of them are lifted.
+    devices = {torch.device("cpu")}
+    devices.update(leaf.device for leaf in arg_leaves if isinstance(leaf, torch.Tensor))
     leaves = arg_leaves + kwarg_leaves
-
-    def lifted(index: int, leaf: Any) -> bool:
-        if not isinstance(leaf, torch.Tensor):
-            return False
-        if index < positional_count:
-            return True
-        return leaf.device.type == "cpu" or leaf.device in positional_devices
-
-    positions = [index for index, leaf in enumerate(leaves) if lifted(index, leaf)]
+    positions = [
+        index
+        for index, leaf in enumerate(leaves)
+        if isinstance(leaf, torch.Tensor) and leaf.device in devices
+    ]
     tensors = tuple(leaves[index] for index in positions)
     # torch keeps ``run`` until backward: it must not reference the tensors it is given, or
     # their device memory could never be released after the offload. Keyword tensors left in
@@ -246,15 +239,14 @@ def checkpoint(
                 function, *args, use_reentrant=use_reentrant, **checkpoint_options, **kwargs
             )
     pipelined = pipeline and options.pipeline and not legacy_pipeline_disabled()
-    call_function, call_args = function, args
     if not reentrant and _needs_flattening(args, kwargs):
-        call_function, call_args = _flattened_call(function, args, kwargs)
+        function, args = _flattened_call(function, args, kwargs)
         kwargs = {}
     # unwind_failed_checkpoint: on torch < 2.13 a raising function leaves torch's hooks pushed
     # above ours; it pops them first, so ours pop their own.
     with adapted, _hooks_for(options, pipelined), compat.unwind_failed_checkpoint():
         return torch_checkpoint.checkpoint(
-            call_function, *call_args, use_reentrant=use_reentrant, **checkpoint_options, **kwargs
+            function, *args, use_reentrant=use_reentrant, **checkpoint_options, **kwargs
         )
 
 
@@ -327,24 +319,23 @@ def checkpoint_sequential(
     if segments < 1:
         raise ValueError(f"checkpoint_sequential() needs segments >= 1, got {segments}")
 
-    def run_segment(start: int, end: int) -> Callable[[Any], Any]:
+    def run_segment(start: int, stop: int) -> Callable[[Any], Any]:
         def forward(value: Any) -> Any:
-            for index in range(start, end + 1):
+            for index in range(start, stop):
                 value = function_list[index](value)
             return value
 
         return forward
 
     segment_size = len(function_list) // segments
-    end = -1
-    for start in range(0, segment_size * (segments - 1), segment_size):
-        end = start + segment_size - 1
+    last_start = segment_size * (segments - 1)
+    for start in range(0, last_start, segment_size):
         input = checkpoint(
-            run_segment(start, end),
+            run_segment(start, start + segment_size),
             input,
             use_reentrant=use_reentrant,
             pipeline=pipeline,
             offload=offload,
             preserve_rng_state=preserve,
         )
-    return run_segment(end + 1, len(function_list) - 1)(input)
+    return run_segment(last_start, len(function_list))(input)

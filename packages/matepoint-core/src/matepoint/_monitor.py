@@ -92,8 +92,7 @@ def prefetch_now() -> None:
         >>> matepoint.prefetch_now()  # e.g. right after the forward, before the loss
     """
     options = resolve(None)
-    if options is None:
-        return
+    assert options is not None  # only offload=False or a disabled OffloadOptions resolve to None
     for engine in all_engines():
         engine.prefetch_newest(options)
 

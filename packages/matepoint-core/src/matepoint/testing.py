@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -38,6 +38,8 @@ __all__ = [
     "delay_side_stream",
     "use_transport",
 ]
+
+_T = TypeVar("_T")
 
 POISON_BYTE = 0xFF
 """Every byte of a copy's destination before the copy completes (NaN for floating dtypes)."""
@@ -59,12 +61,6 @@ class _FakeStream:
         self.pending: deque[tuple[Callable[[], object], _FakeEvent]] = deque()
         self.lock = threading.Lock()
         self.drain_lock = threading.RLock()
-
-    def enqueue(self, operation: Callable[[], object]) -> _FakeEvent:
-        event = _FakeEvent()
-        with self.lock:
-            self.pending.append((operation, event))
-        return event
 
     def run_until(self, event: _FakeEvent) -> None:
         # One thread drains at a time: another thread's run_until may have popped ``event``'s
@@ -147,15 +143,19 @@ class _CPUTestChannel:
                 return
             host.copy_(alive)
 
-        return self._maybe_run(self.side.enqueue(run))
+        return self._queue(run)
 
     def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
         self.owner.copies_in += 1
         target = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device="cpu")
         _poison(target)
-        return target, self._maybe_run(self.side.enqueue(lambda: target.copy_(host)))
+        return target, self._queue(lambda: target.copy_(host))
 
-    def _maybe_run(self, event: _FakeEvent) -> _FakeEvent:
+    def _queue(self, operation: Callable[[], object]) -> _FakeEvent:
+        """Queue ``operation`` on the side stream (run at once in ``"immediate"`` mode)."""
+        event = _FakeEvent()
+        with self.side.lock:
+            self.side.pending.append((operation, event))
         if self.owner.completion == "immediate":
             self.side.run_until(event)
         return event
@@ -251,7 +251,17 @@ class CPUTestTransport:
 
 
 @contextlib.contextmanager
-def use_transport(new_transport: Transport) -> Iterator[Transport]:
+def _swapped(read: Callable[[], _T], write: Callable[[_T], None], value: _T) -> Iterator[_T]:
+    """Install ``value`` with ``write`` inside a ``with`` block; the previous value comes back."""
+    previous = read()
+    write(value)
+    try:
+        yield value
+    finally:
+        write(previous)
+
+
+def use_transport(new_transport: Transport) -> contextlib.AbstractContextManager[Transport]:
     """Route every offload in this process through ``new_transport`` inside a ``with`` block.
 
     The switch is process-wide (every thread's checkpoints use it), and the previous transport
@@ -261,19 +271,13 @@ def use_transport(new_transport: Transport) -> Iterator[Transport]:
     Args:
         new_transport: A transport, usually a :class:`CPUTestTransport`.
 
-    Yields:
-        The transport.
+    Returns:
+        A context manager whose ``with`` block yields the transport.
     """
-    previous = transport()
-    set_transport(new_transport)
-    try:
-        yield new_transport
-    finally:
-        set_transport(previous)
+    return _swapped(transport, set_transport, new_transport)
 
 
-@contextlib.contextmanager
-def delay_side_stream(cycles: int) -> Iterator[int]:
+def delay_side_stream(cycles: int) -> contextlib.AbstractContextManager[int]:
     """Busy-wait ``cycles`` GPU cycles on the side stream before each copy, inside a block.
 
     A race probe: a copy that is not ordered correctly against compute then reads or writes at
@@ -283,8 +287,8 @@ def delay_side_stream(cycles: int) -> Iterator[int]:
     Args:
         cycles: GPU cycles (about 2 per nanosecond on an H200); ``0`` for none.
 
-    Yields:
-        The delay in force.
+    Returns:
+        A context manager whose ``with`` block yields the delay in force.
 
     Raises:
         ValueError: If ``cycles`` is not an ``int >= 0``.
@@ -294,9 +298,4 @@ def delay_side_stream(cycles: int) -> Iterator[int]:
         >>> with delay_side_stream(2_000_000):
         ...     pass
     """
-    previous = side_stream_delay()
-    set_side_stream_delay(cycles)
-    try:
-        yield cycles
-    finally:
-        set_side_stream_delay(previous)
+    return _swapped(side_stream_delay, set_side_stream_delay, cycles)
