@@ -39,25 +39,12 @@ _kept_lock = threading.Lock()
 
 
 def _offloadable_dtypes() -> frozenset[torch.dtype]:
-    names = (
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-    )
+    names = ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"]
+    names += ["uint8", "int8", "int16", "int32", "int64", "bool"]
+    # The float8 formats (OCP, then the fnuz and MX-scale ones): only some releases have each,
+    # hence the hasattr below.
+    names += ["float8_e4m3fn", "float8_e5m2"]
+    names += ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
     return frozenset(getattr(torch, name) for name in names if hasattr(torch, name))
 
 
