@@ -61,4 +61,3 @@ def test_gates_agree_with_torch_features() -> None:
     if not has_kwargs:
         assert ("early_stop" in parameters) == compat.TORCH_2_9_PLUS
         assert ("respect_saved_tensors_hooks" in parameters) == compat.TORCH_2_14_PLUS
-    assert hasattr(torch_checkpoint._CheckpointFrame, "save_inputs") == compat.TORCH_2_12_PLUS
