@@ -33,13 +33,11 @@ class ChannelEngine:
 
     Args:
         channel: The transport's channel for the device.
-        name: A label for reports.
         transport: The transport the channel belongs to.
     """
 
-    def __init__(self, channel: Channel, name: str, transport: Transport) -> None:
+    def __init__(self, channel: Channel, transport: Transport) -> None:
         self.channel = channel
-        self.name = name
         self.transport = transport
         self.lock = threading.RLock()
         self.pool = PinnedPool(channel)

@@ -64,6 +64,6 @@ def engine_for(key: Hashable, tensor: torch.Tensor, active: Transport) -> Channe
         with _transport_lock:
             engine = _engines.get(key)
             if engine is None:
-                engine = ChannelEngine(active.channel(tensor), str(key), active)
+                engine = ChannelEngine(active.channel(tensor), active)
                 _engines[key] = engine
     return engine
