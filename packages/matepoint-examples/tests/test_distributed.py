@@ -137,26 +137,20 @@ def _skip_unless_cpu_mode_trains(mode: str) -> None:
         pytest.skip(f"torch {torch.__version__}'s FSDP2 does not train correctly on CPU/gloo")
 
 
+def _two_cpu_ranks(tmp_path: Path, mode: str, *args: str) -> dict[str, Any]:
+    """Run ``mode`` on two CPU ranks over gloo (skipped where this torch cannot train it)."""
+    _skip_unless_cpu_mode_trains(mode)
+    return _torchrun(tmp_path, "--mode", mode, "--backend", "gloo", "--device", "cpu", *args)
+
+
 @requires_gloo
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("model", ["latent", "gpt"])
 def test_two_ranks_match_single_process(
     reference: dict[str, Path], model: str, mode: str, tmp_path: Path
 ) -> None:
-    _skip_unless_cpu_mode_trains(mode)
-    report = _torchrun(
-        tmp_path,
-        "--model",
-        model,
-        "--mode",
-        mode,
-        "--backend",
-        "gloo",
-        "--device",
-        "cpu",
-        *TINY,
-        "--compare-to",
-        str(reference[model]),
+    report = _two_cpu_ranks(
+        tmp_path, mode, "--model", model, *TINY, "--compare-to", str(reference[model])
     )
     comparison = report["comparison"]
     print(f"{model}/{mode}: max |param diff| vs single = {comparison['max_abs_diff']:.3g}")
@@ -219,21 +213,8 @@ def _other(name: str) -> str:
 @requires_gloo
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_paired_two_ranks(mode: str, tmp_path: Path) -> None:
-    _skip_unless_cpu_mode_trains(mode)
-    report = _torchrun(
-        tmp_path,
-        "--model",
-        "gpt",
-        "--mode",
-        mode,
-        "--backend",
-        "gloo",
-        "--device",
-        "cpu",
-        "--checkpoint",
-        "paired",
-        *TINY,
-        *PAIRED_ROUNDS,
+    report = _two_cpu_ranks(
+        tmp_path, mode, "--model", "gpt", "--checkpoint", "paired", *TINY, *PAIRED_ROUNDS
     )
     _check_paired(report, world=2)
     # Each step's time is the largest over the ranks.
