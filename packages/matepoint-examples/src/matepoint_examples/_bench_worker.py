@@ -31,7 +31,7 @@ from matepoint_examples._runtime import (
 from matepoint_examples._workloads import Built, Workload, build
 from matepoint_examples.strategies import Strategy, get_strategy
 
-__all__ = ["environment", "run_train", "run_transfer"]
+__all__ = ["environment", "held_forward", "run_train", "run_transfer"]
 
 _GB = 1e9
 
@@ -222,20 +222,15 @@ def _measure(
     gc.collect()
     synchronize(device)
     matepoint.reset_stats()
-    before = allocated_bytes(device)
     t0 = time.perf_counter()
-    with strategy.forward_context():
-        loss = built.loss()
-    synchronize(device)
-    t_fwd = time.perf_counter() - t0
-    after = allocated_bytes(device)
+    loss, held, t_fwd = held_forward(built, strategy, device)
     rss_fwd = rss_bytes()
     torch.autograd.backward(loss)
     synchronize(device)
     t_step = time.perf_counter() - t0
     del loss
     out["forward_time_s"] = t_fwd
-    out["held_after_forward_bytes"] = None if after is None or before is None else after - before
+    out["held_after_forward_bytes"] = held
     out["host_rss_delta_bytes"] = (
         None if rss_fwd is None or rss_base is None else rss_fwd - rss_base
     )
@@ -255,9 +250,37 @@ def _measure(
         )
     if timeline and device.type == "cuda" and not compiled:
         out["timeline"] = _timeline(built, strategy, device)
-    if isinstance(built.loss, CompiledForward):
+    if isinstance(built.loss, CompiledForward):  # the same test as ``compiled``, for the type
         out["compile"] = built.loss.report()
     return out
+
+
+def held_forward(
+    built: Built, strategy: Strategy, device: torch.device
+) -> tuple[Tensor, int | None, float]:
+    """Run one forward and return its loss, the device bytes it left held, and its seconds.
+
+    Held is ``memory_allocated`` after the forward and a synchronize minus the same before it
+    (``None`` on CPU): what the forward left behind for backward. The memory mode and the
+    paired mode's counted step both measure it here, so their numbers mean the same.
+
+    Args:
+        built: The workload's model and loss.
+        strategy: The strategy to run (its checkpoint function already in the model).
+        device: Where it runs.
+
+    Returns:
+        ``(loss, held_bytes, forward_seconds)``; the seconds end after the synchronize.
+    """
+    synchronize(device)
+    before = allocated_bytes(device)
+    t0 = time.perf_counter()
+    with strategy.forward_context():
+        loss = built.loss()
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    after = allocated_bytes(device)
+    return loss, None if after is None or before is None else after - before, seconds
 
 
 def _cheap_block(x: Tensor) -> Tensor:

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from matepoint_examples._bench_worker import environment
+from matepoint_examples._bench_worker import environment, held_forward
 from matepoint_examples._compiled import CompiledForward
-from matepoint_examples._runtime import allocated_bytes, synchronize
+from matepoint_examples._runtime import synchronize
 from matepoint_examples._workloads import Built, Workload, build
 from matepoint_examples.strategies import Strategy, get_strategy
 
@@ -371,27 +371,20 @@ def _counted_step(
 ) -> None:
     """Run one more step and store what it held after forward and, if it counts, what it moved.
 
-    Held after forward is ``memory_allocated`` after the forward and a synchronize minus the
-    same before it (parameters, optimizer state and the batch are counted in both; gradients
-    are ``None`` between steps), as in the memory mode, so a compiled strategy gets its memory
-    row without compiling again in a process of its own.
+    Held after forward is :func:`held_forward`'s, as in the memory mode (parameters, optimizer
+    state and the batch are counted before and after; gradients are ``None`` between steps), so
+    a compiled strategy gets its memory row without compiling again in a process of its own.
     """
     device = clock.device
     switch.current = strategy
     if strategy.reset_stats is not None:
         strategy.reset_stats()
     gc.collect()
-    synchronize(device)
-    before = allocated_bytes(device)
-    with strategy.forward_context():
-        loss = built.loss()
-    synchronize(device)
-    after = allocated_bytes(device)
+    loss, row["held_after_forward_bytes"], _ = held_forward(built, strategy, device)
     torch.autograd.backward(loss)
     del loss
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    row["held_after_forward_bytes"] = None if after is None or before is None else after - before
     if strategy.stats is not None:
         row["stats"] = strategy.stats()
 
