@@ -74,7 +74,7 @@ _OFFLOAD_SETTINGS = {
 # gradients bitwise those of torch-compile); torch 2.11, the H200 machine's, has the same settings
 # and module (its first GPU run confirms the rest). It becomes a plain version gate, and then
 # always true, when the oldest supported torch is 2.11.
-TORCH_COMPILED_OFFLOAD: bool = matepoint_compat.TORCH_VERSION >= (2, 11, 0)
+TORCH_COMPILED_OFFLOAD: bool = matepoint_compat.TORCH_2_11_PLUS
 """Whether this torch is a release the ``torch-compiled-offload`` strategy is written for."""
 
 
