@@ -146,6 +146,31 @@ def test_torch_compiled_offload_moves_the_checkpoint_inputs(
     assert offloaded == []  # the baseline compiles without the offload
 
 
+@pytest.mark.parametrize(
+    ("lookups", "expected"),
+    [([], "not used"), (["hit"], "hit"), (["miss"], "miss"), (["miss", "bypass"], "miss+bypass")],
+)
+def test_compiled_forward_reports_what_the_autograd_cache_did_on_the_first_call(
+    lookups: list[str], expected: str
+) -> None:
+    from torch._dynamo.utils import counters
+
+    def compiled(loss: Any) -> Tensor:
+        for outcome in lookups:
+            counters["aot_autograd"][f"autograd_cache_{outcome}"] += 1
+        return loss()
+
+    forward = _compiled.CompiledForward(
+        lambda: torch.zeros(()), "probe", _compiled.CompileSpec(), CPU, backend="eager"
+    )
+    forward.compiled = compiled
+    forward()
+    assert forward.report()["autograd_cache"] == expected
+    lookups = ["hit"]  # a later call's lookups do not change the first call's outcome
+    forward()
+    assert forward.report()["autograd_cache"] == expected
+
+
 def test_torch_compiled_offload_reports_an_old_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_compiled, "TORCH_COMPILED_OFFLOAD", False)
     reason = get_strategy("torch-compiled-offload").unavailable_reason(CPU)

@@ -287,6 +287,19 @@ def _dynamo_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+_CACHE_OUTCOMES = ("hit", "miss", "bypass")
+
+
+def _autograd_cache_counts() -> dict[str, int]:
+    """AOTAutograd's compile-cache lookups in this process so far, by outcome."""
+    from torch._dynamo.utils import counters
+
+    return {
+        outcome: counters["aot_autograd"][f"autograd_cache_{outcome}"]
+        for outcome in _CACHE_OUTCOMES
+    }
+
+
 class CompiledForward:
     """One strategy's compiled forward of one model: ``loss`` under ``torch.compile``.
 
@@ -322,16 +335,24 @@ class CompiledForward:
         self.graphs = 0
         self.graphs_after_first_call = 0
         self.graph_breaks = 0
+        self.autograd_cache = "not used"
 
     def __call__(self) -> Tensor:
         """Run one forward through the compiled copy (compiling it on the first call)."""
         graphs, breaks = _dynamo_counts()
+        lookups = _autograd_cache_counts()
         t0 = time.perf_counter()
         with _functorch_config().patch(self.settings):
             out: Tensor = self.compiled(self.loss)
         graphs_now, breaks_now = _dynamo_counts()
         if self.calls == 0:
             self.first_call_s = time.perf_counter() - t0
+            outcomes = [
+                outcome
+                for outcome, count in _autograd_cache_counts().items()
+                if count > lookups[outcome]
+            ]
+            self.autograd_cache = "+".join(outcomes) or "not used"
         else:
             self.graphs_after_first_call += graphs_now - graphs
         self.calls += 1
@@ -340,7 +361,13 @@ class CompiledForward:
         return out
 
     def report(self) -> dict[str, Any]:
-        """Return what the compiler did for this strategy (JSON-ready)."""
+        """Return what the compiler did for this strategy (JSON-ready).
+
+        ``autograd_cache`` says whether the first forward found its compiled graphs in
+        AOTAutograd's on-disk cache (``hit``: the joint pass and the partitioner did not run in
+        this process, so a strategy's marks count 0), compiled and stored them (``miss``),
+        could not cache them (``bypass``), or did not use the cache (``not used``).
+        """
         info: dict[str, Any] = {
             "backend": self.backend,
             "calls": self.calls,
@@ -348,6 +375,7 @@ class CompiledForward:
             "graphs": self.graphs,
             "graph_breaks": self.graph_breaks,
             "graphs_after_first_forward": self.graphs_after_first_call,
+            "autograd_cache": self.autograd_cache,
         }
         if self.spec.report is not None:
             info.update(self.spec.report())
