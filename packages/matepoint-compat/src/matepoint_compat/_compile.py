@@ -19,6 +19,8 @@ forward and back before backward needs them. Every private torch symbol this tak
 - AOTAutograd's cache key sees neither annotations nor matepoint's settings, only the graph and
   the ``cache_hash`` of a checkpoint's ``context_fn``: a ``context_fn`` equivalent to torch's
   vanilla one carries matepoint's choices into the key.
+- ``torch._dynamo.variables.streams`` defines the stream ops the transfer-stream offload puts in
+  a graph; torch 2.11's ``record_stream`` needs the fix of :func:`_mend_stream_ops`.
 
 All of it is checked on torch 2.11, 2.12 and 2.13; on older releases matepoint keeps its eager
 path under compile (a graph break per checkpoint). Gate ``COMPILED_OFFLOAD``.
@@ -35,7 +37,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from matepoint_compat._version import TORCH_2_11_PLUS, TORCH_2_13_PLUS
+from matepoint_compat._version import TORCH_2_11_PLUS, TORCH_2_12_PLUS
 
 __all__ = [
     "COMPILED_OFFLOAD",
@@ -95,15 +97,41 @@ torch has all of it.
 """
 
 
-COMPILED_OFFLOAD_STREAMS: bool = TORCH_2_13_PLUS
+COMPILED_OFFLOAD_STREAMS: bool = TORCH_2_11_PLUS
 """Whether the compiled path may copy on torch's transfer stream (``pipeline=True``).
 
-On torch 2.11 (checked on an H200), inductor fails to compile torch's separate-stream offload
-(``streams.record_stream``'s fake implementation lacks an argument), for torch's own use of it
-as for matepoint's; synchronous copies compile and run there. So before 2.13 the compiled path
-copies synchronously on the compute stream whatever ``pipeline`` says. From 2.13 the transfer
-stream is used (checked on the CPU only). Gate can go when 2.13 is the oldest supported torch.
+From torch 2.11 on, where the compiled path exists. torch 2.11's own transfer-stream offload
+does not compile through inductor (its ``streams::record_stream`` has a fake implementation with
+the wrong arguments); :func:`_mend_stream_ops` fixes that before matepoint's compiled path uses
+the stream there. Checked on an H200 with torch 2.11 (gradients equal to torch's checkpoint
+under compile); torch 2.13's stream path is checked on the CPU only.
 """
+
+
+def _record_stream_fake(tensor: torch.Tensor, stream_index: int) -> None:
+    del tensor, stream_index  # the op returns nothing and changes no tensor metadata
+
+
+def _mend_stream_ops() -> None:
+    """Make torch 2.11's ``streams::record_stream`` compile, as torch 2.12 does.
+
+    torch 2.11 registers the op ``streams::record_stream(tensor, stream_index)`` (which tells
+    the caching allocator that a tensor is in use on another stream) with a fake implementation
+    of three other parameters, so inductor fails when it meets the op in a graph; and it does not
+    mark the op as having a side effect, so a graph pass may drop it as unused. Its
+    transfer-stream offload inserts the op before every copy, so neither torch's nor
+    matepoint's compiled offload can copy on the transfer stream there. This registers the fake
+    implementation and the side effect torch 2.12 has. Idempotent; nothing to do from 2.12 on.
+    Shim (gate ``TORCH_2_12_PLUS``) can go when 2.12 is the oldest supported torch.
+    """
+    if TORCH_2_12_PLUS or not COMPILED_OFFLOAD:
+        return
+    from torch._dynamo.variables import streams
+    from torch.fx.node import has_side_effect
+
+    record_stream: Any = streams.record_stream
+    record_stream.register_fake(_record_stream_fake)
+    has_side_effect(torch.ops.streams.record_stream.default)
 
 
 def compile_tracing() -> bool:
@@ -214,9 +242,13 @@ def compiled_offload_config(*, pipelined: bool) -> None:
     docstring says so for whole-model compile), so peak memory would not drop. Without it the
     compute stream waits for each copy right after starting it. These are process-wide torch
     settings, read by the partitioner right after the joint pass; they act only on marked values.
+    On torch 2.11, choosing the transfer stream first mends its ``record_stream`` op
+    (:func:`_mend_stream_ops`).
     """
     config = _functorch_config()
     pipelined = pipelined and COMPILED_OFFLOAD_STREAMS
+    if pipelined:
+        _mend_stream_ops()
     config.activation_offload_separate_stream = pipelined
     config.activation_offload_sink_wait = False
     config.activation_reload_prefetch = pipelined

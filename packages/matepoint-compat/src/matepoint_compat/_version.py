@@ -16,6 +16,7 @@ __all__ = [
     "TORCH_2_8_PLUS",
     "TORCH_2_9_PLUS",
     "TORCH_2_11_PLUS",
+    "TORCH_2_12_PLUS",
     "TORCH_2_13_PLUS",
     "TORCH_2_14_PLUS",
     "TORCH_VERSION",
@@ -63,6 +64,8 @@ TORCH_2_9_PLUS: bool = TORCH_VERSION >= (2, 9, 0)
 """``torch.utils.checkpoint.checkpoint`` takes ``early_stop=`` from 2.9 on."""
 TORCH_2_11_PLUS: bool = TORCH_VERSION >= (2, 11, 0)
 """matepoint's compiled path (``_compile.COMPILED_OFFLOAD``) is checked from 2.11 on."""
+TORCH_2_12_PLUS: bool = TORCH_VERSION >= (2, 12, 0)
+"""``streams::record_stream`` (compiled transfer-stream offload) compiles from 2.12 on."""
 TORCH_2_13_PLUS: bool = TORCH_VERSION >= (2, 13, 0)
 """The caching host allocator stops rounding pinned blocks up to a power of two from 2.13 on."""
 TORCH_2_14_PLUS: bool = TORCH_VERSION >= (2, 14, 0)

@@ -198,9 +198,12 @@ def torch_offload_settings(device: torch.device) -> dict[str, Any]:
     forward wait to the end of the graph, which keeps every offloaded value on the device until
     the whole forward ends (torch's own docstring says so for a whole-model compile), so device
     memory would grow with depth as under plain checkpointing. On a CPU the copies are
-    synchronous (no streams), and so they are before torch 2.13, whose inductor fails to compile
-    the transfer stream's ``streams.record_stream`` (seen on torch 2.11;
-    ``matepoint_compat.COMPILED_OFFLOAD_STREAMS``).
+    synchronous (no streams), and so they are on torch 2.11: its transfer-stream offload does not
+    compile there (``streams::record_stream``'s fake implementation takes the wrong arguments).
+    matepoint's compiled path mends that op before it uses the stream on 2.11; this strategy is
+    torch's offload as torch ships it, so it does not ask for the stream there (in a process
+    where matepoint has mended the op, it would compile, which would make the row depend on the
+    order the strategies compiled in).
 
     Args:
         device: Where the model runs.
@@ -208,7 +211,7 @@ def torch_offload_settings(device: torch.device) -> dict[str, Any]:
     Returns:
         The changes to ``torch._functorch.config``.
     """
-    cuda = device.type == "cuda" and matepoint_compat.COMPILED_OFFLOAD_STREAMS
+    cuda = device.type == "cuda" and matepoint_compat.TORCH_2_12_PLUS
     return {
         "enable_activation_offloading": True,
         "activation_offload_separate_stream": cuda,
