@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from matepoint_examples import bench
+from matepoint_examples import _bench_report as report
+from matepoint_examples import _paired, bench
+from matepoint_examples._bench_worker import write_partial
 from matepoint_examples._workloads import WORKLOADS, build, get_workload
 from matepoint_examples.models import no_checkpoint
 
@@ -133,6 +135,113 @@ def test_a_timed_out_worker_says_how_far_it_got(monkeypatch: pytest.MonkeyPatch)
     assert result["note"] == (
         "timed out after 5 s; last reported: deep96 / torch-compile: compile step 190.0 s"
     )
+
+
+def _partial_path(cmd: list[str]) -> Path:
+    """Return the file the parent told a worker to keep its rows so far in."""
+    return Path(cmd[cmd.index("--partial") + 1])
+
+
+def test_a_worker_timed_out_in_its_compile_step_names_every_compile_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compiles = [f"deep96 / {s}: compile step 190.0 s" for s in ("torch-compile", "mp-compile")]
+    warnings = [f"UserWarning: {i}" for i in range(7)]
+
+    def hang(cmd: list[str], **kwargs: Any) -> None:
+        assert not _partial_path(cmd).exists()
+        stderr = "\n".join([*compiles, *warnings]).encode()
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"], stderr=stderr)
+
+    monkeypatch.setattr(bench.subprocess, "run", hang)
+    result = bench.run_worker_subprocess(["--worker", "paired"], timeout=600)
+    assert result["status"] == "error"
+    reported = " / ".join([*compiles, *warnings[-6:]])
+    assert result["note"] == f"timed out after 600 s; last reported: {reported}"
+
+
+def test_a_timed_out_paired_worker_hands_over_its_partial_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    common = {"workload": "deep96", "rounds": 6, "warmup": 1}
+    rows = [
+        {**common, "strategy": "torch", "status": "ok", "ratio": 1.0, "times": [{}] * 4},
+        {**common, "strategy": "matepoint", "status": "ok", "ratio": 1.02, "times": [{}] * 4},
+        {**common, "strategy": "torchtune", "status": "skipped", "note": "not installed"},
+    ]
+    stderr = ["deep96 / torch-compile: compile step 190.0 s"]
+    stderr += [f"deep96: round {i} of 7" for i in range(1, 6)] + ["UserWarning: x"] * 2
+
+    def killed_after_round_five(cmd: list[str], **kwargs: Any) -> None:
+        progress = {"rounds_done": 5, "counted_step": False}
+        write_partial(_partial_path(cmd), {"mode": "paired", "rows": rows, "progress": progress})
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"], stderr="\n".join(stderr).encode())
+
+    monkeypatch.setattr(bench.subprocess, "run", killed_after_round_five)
+    result = bench.run_worker_subprocess(["--worker", "paired"], timeout=585)
+    got = {r["strategy"]: r for r in result["rows"]}
+    assert [got[s]["status"] for s in got] == ["partial", "partial", "skipped"]
+    assert got["matepoint"]["ratio"] == 1.02  # the rounds it finished are kept
+    assert got["torchtune"]["note"] == "not installed"
+    reported = " / ".join(dict.fromkeys([stderr[0], *stderr[-6:]]))
+    assert (
+        got["torch"]["note"]
+        == got["matepoint"]["note"]
+        == (
+            "timed out after 585 s after round 5 of 7 (of which 1 warm-up); counted step not run: "
+            f"no held-after-forward; last reported: {reported}"
+        )
+    )
+
+
+class _Killed(BaseException):
+    """Stands for the SIGKILL of a timeout (no ``except Exception`` in the worker catches it)."""
+
+
+def test_a_paired_run_cut_short_is_flagged_in_every_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The real worker, killed after its second round: its rows are reported, never as ok."""
+    real_write = _paired.write_partial
+
+    def write_then_die_after_round_two(path: Path, payload: dict[str, Any]) -> None:
+        real_write(path, payload)
+        if payload["progress"]["rounds_done"] == 2:
+            raise _Killed
+
+    real_run = subprocess.run
+
+    def run_in_process(cmd: list[str], **kwargs: Any) -> Any:
+        if "--worker" not in cmd:  # the same module serves ``platform``'s own calls
+            return real_run(cmd, **kwargs)
+        monkeypatch.setattr(_paired, "write_partial", write_then_die_after_round_two)
+        with pytest.raises(_Killed):
+            bench.main(cmd[3:])  # after ``python -m matepoint_examples.bench``
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"], stderr=b"cpu-small: round 2 of 4")
+
+    monkeypatch.setattr(bench.subprocess, "run", run_in_process)
+    out = tmp_path / "bench"
+    rc = bench.main(
+        ["--device", "cpu", "--mode", "paired", "--strategies", "matepoint", "--rounds", "3",
+         "--warmup", "1", "--timeout", "600", "--out", str(out), *TINY]
+    )  # fmt: skip
+    assert rc == 1  # a run cut short did not finish
+    paired = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["paired"]}
+    assert paired["matepoint"]["status"] == "partial"
+    assert paired["matepoint"]["ratios"]["step_s"]["rounds"] == 1
+    note = (
+        "timed out after 600 s after round 2 of 4 (of which 1 warm-up); counted step not run: "
+        "no held-after-forward; last reported: cpu-small: round 2 of 4"
+    )
+    assert paired["torch"]["note"] == paired["matepoint"]["note"] == note
+    md = (out / "results.md").read_text()
+    line = next(x for x in md.splitlines() if x.startswith("| cpu-small | matepoint |"))
+    mp = paired["matepoint"]  # its figures over the rounds it finished, flagged in the status
+    ratio = report.ratio_cell(mp["ratio"], mp["ratio_q1"], mp["ratio_q3"])
+    assert line.split(" | ")[2:5] == ["partial", f"{mp['step_time_s'] * 1e3:.1f}", ratio]
+    assert "| ok |" not in md
+    assert f"- cpu-small / matepoint: partial: {note}" in md
+    assert "partial" in capsys.readouterr().out  # the terminal table says so too
 
 
 def test_end_to_end_subprocesses(tmp_path: Path) -> None:

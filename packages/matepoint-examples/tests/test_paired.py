@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from torch import Tensor
 
 from matepoint_examples import _paired, strategies
+from matepoint_examples._bench_worker import write_partial
 from matepoint_examples._paired import (
     StrategySwitch,
     per_round_ratios,
@@ -101,6 +104,43 @@ def test_run_paired_on_cpu() -> None:
     assert rows["matepoint"]["stats"]["bytes_offloaded"] > 0
     assert "stats" not in rows["torch"]
     assert rows["matepoint"]["held_after_forward_bytes"] is None  # no allocator count on a CPU
+
+
+def test_run_paired_saves_its_rows_so_far_after_every_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker killed by its timeout leaves the rows of the rounds it finished, summarized."""
+    saved: list[dict[str, Any]] = []
+
+    def keep(path: Path, payload: dict[str, Any]) -> None:
+        write_partial(path, payload)
+        saved.append(json.loads(path.read_text()))
+
+    monkeypatch.setattr(_paired, "write_partial", keep)
+    path = tmp_path / "partial.json"
+    names = ["torch", "torch-compile", "matepoint", "link-busy"]
+    final = run_paired(TINY, names, CPU, rounds=2, warmup=1, partial=path, compile_backend="eager")
+    progress = [(s["progress"]["rounds_done"], s["progress"]["counted_step"]) for s in saved]
+    assert progress == [(0, False), (1, False), (2, False), (3, False), (3, True)]
+    compiled, warm, first, last_round, counted = (
+        {r["strategy"]: r for r in s["rows"]} for s in saved
+    )
+    assert compiled["torch-compile"]["compile_step_s"] > 0
+    assert compiled["torch-compile"]["compile"]["backend"] == "eager"
+    assert warm["torch"]["times"] == []  # the warm-up round is not timed
+    assert warm["torch"]["ratio"] is None
+    assert len(first["matepoint"]["times"]) == 1
+    assert first["matepoint"]["ratios"]["step_s"]["rounds"] == 1  # summarized so far
+    assert first["torch"]["ratio"] == 1.0
+    assert first["torch-compile"]["ratio_to_torch_compile"]["median"] == 1.0
+    assert first["link-busy"]["status"] == "skipped"
+    assert last_round["matepoint"]["ratios"]["step_s"]["rounds"] == 2
+    assert "stats" not in last_round["matepoint"]  # the counted step had not run
+    assert "held_after_forward_bytes" not in last_round["matepoint"]
+    assert counted["matepoint"]["stats"]["bytes_offloaded"] > 0
+    assert counted["matepoint"]["ratio"] == {r["strategy"]: r for r in final}["matepoint"]["ratio"]
+    assert json.loads(path.read_text()) == saved[-1]
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
 
 
 @pytest.mark.gpu

@@ -129,10 +129,14 @@ MEMORY_COLUMNS = [
 
 
 def _paired_cells(r: Row) -> list[str]:
-    """Return the paired table's cells of one row (a failed row's note goes in a footnote)."""
+    """Return the paired table's cells of one row (a failed row's note goes in a footnote).
+
+    A ``partial`` row (its worker timed out; the note says after which round) shows the figures
+    of the rounds it finished, with its status in its own column as for any row.
+    """
     status = str(r.get("status", "?"))
     head = [str(r.get("workload", "?")), str(r.get("strategy", "?")), status]
-    if status != "ok":
+    if status not in ("ok", "partial"):
         return head + ["-"] * (len(PAIRED_COLUMNS) - 3)
     t = r.get("step_time_s")
     out, back = _moved(r)
@@ -167,7 +171,7 @@ def _memory_cells(r: Row) -> list[str]:
 
 
 def notes(rows: Sequence[Row]) -> list[str]:
-    """Return one line per row that did not run, saying why.
+    """Return one line per row that did not run or did not finish (``partial``), saying why.
 
     Args:
         rows: Paired or memory results.
@@ -240,11 +244,14 @@ def rich_paired_table(rows: Sequence[Row], title: str = "step time, paired") -> 
         title: Table title.
 
     Returns:
-        A rich table; matepoint's ratio is green up to 1.03, yellow up to 1.1, red above.
+        A rich table; matepoint's ratio is green up to 1.03, yellow up to 1.1, red above; a
+        ``partial`` status (a worker cut short by its timeout) is red.
     """
     body = []
     for r in rows:
         cells = _paired_cells(r)
+        if cells[2] == "partial":
+            cells[2] = "[bold red]partial[/]"
         ratio = r.get("ratio")
         if ratio is not None and str(r.get("strategy", "")).startswith("matepoint"):
             style = "green" if ratio <= 1.03 else "yellow" if ratio <= 1.1 else "red"
@@ -375,7 +382,8 @@ def _empty(ax: Any, text: str) -> None:
 def plot_step_time_ratio(path: Path, rows: Sequence[Row]) -> Path:
     """Plot the paired step-time ratio to torch checkpoint, per workload, one bar per strategy.
 
-    Each bar is the median per-round ratio; its whisker spans the interquartile range.
+    Each bar is the median per-round ratio; its whisker spans the interquartile range. A bar of
+    a ``partial`` row (its worker timed out) is labelled so.
 
     Args:
         path: PNG file to write.
@@ -399,6 +407,8 @@ def plot_step_time_ratio(path: Path, rows: Sequence[Row]) -> Path:
                     ys.append(r["ratio"])
                     lo.append(r["ratio"] - (r.get("ratio_q1") or r["ratio"]))
                     hi.append((r.get("ratio_q3") or r["ratio"]) - r["ratio"])
+                    if r.get("status") == "partial":
+                        ax.annotate("partial", (xs[-1], ys[-1]), fontsize="x-small", rotation=90)
         if xs:
             ax.bar(xs, ys, width=width, label=s, yerr=[lo, hi], capsize=2)
             plotted = True

@@ -2,17 +2,23 @@
 
 Each measurement runs in its own process so that one strategy's allocator state, pinned pool and
 resident memory never leak into the next one's numbers, and an out-of-memory failure costs one
-row, not the run.
+row, not the run. The paired worker (:mod:`matepoint_examples._paired`) shares two helpers from
+here: the summary of a profiled step and the partial-result file a killed worker leaves behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import json
+import os
 import platform
 import statistics
+import sys
 import time
 import traceback
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,9 +37,19 @@ from matepoint_examples._runtime import (
 from matepoint_examples._workloads import Built, Workload, build
 from matepoint_examples.strategies import Strategy, get_strategy
 
-__all__ = ["environment", "held_forward", "run_train", "run_transfer"]
+__all__ = [
+    "environment",
+    "held_forward",
+    "run_train",
+    "run_transfer",
+    "summarize_trace",
+    "write_partial",
+]
 
 _GB = 1e9
+
+_FORWARD_MARK = "matepoint-bench forward"
+"""The profiler range around a traced step's forward (see :func:`summarize_trace`)."""
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -53,6 +69,26 @@ def environment(device: torch.device) -> dict[str, Any]:
         "device_name": name or "cpu",
         "matepoint": getattr(matepoint, "__version__", "unknown"),
     }
+
+
+def write_partial(path: Path, payload: dict[str, Any]) -> None:
+    """Replace ``path`` with ``payload`` as JSON in one step: a kill never leaves half a file.
+
+    A worker keeps its result so far here (the paired worker after every round) so that the
+    parent, which kills it at its timeout, still gets what was measured. The JSON goes to a
+    temporary file next to ``path`` first, and ``os.replace`` puts it in place atomically. A
+    file that cannot be written is reported on stderr, not raised: the run matters more.
+
+    Args:
+        path: The file the parent reads.
+        payload: JSON-ready data (anything else is written as its ``str``).
+    """
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(payload, default=str))
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"partial result not saved: {exc}", file=sys.stderr, flush=True)
 
 
 def _stats_dict() -> dict[str, Any]:
@@ -384,3 +420,65 @@ def run_transfer(device: torch.device, quick: bool = False) -> dict[str, Any]:
         result.update(status="error", note=f"{type(exc).__name__}: {exc}"[:500])
         result["traceback"] = traceback.format_exc()[-4000:]
     return result
+
+
+def _phase_name(ts: float, boundary: float | None) -> str:
+    return "forward" if boundary is not None and ts < boundary else "backward"
+
+
+def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Reduce a Chrome trace of one step to per-phase device and runtime figures.
+
+    The compute stream is the stream with the most kernel time. Per phase (forward until the
+    end of the ``matepoint-bench forward`` range, backward after it): the compute stream's
+    busy time (sum of its kernels) and span (first kernel start to last kernel end), copies by
+    kind (count, device milliseconds, bytes), and CUDA runtime calls by name (count, host
+    milliseconds): event records and waits, copies, synchronizations.
+
+    Args:
+        data: The parsed trace (``export_chrome_trace``'s JSON).
+
+    Returns:
+        ``{"compute_stream": ..., "forward": {...}, "backward": {...}}``; device figures are
+        absent when the trace holds no device activity (a CPU run).
+    """
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    boundary: float | None = None
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("name") == _FORWARD_MARK:
+            boundary = float(e["ts"]) + float(e["dur"])
+    kernel_time: dict[Any, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            stream = e.get("args", {}).get("stream", e.get("tid"))
+            kernel_time[stream] = kernel_time.get(stream, 0.0) + float(e["dur"])
+    compute = max(kernel_time, key=lambda k: kernel_time[k]) if kernel_time else None
+    phases: dict[str, dict[str, Any]] = {}
+    for name in ("forward", "backward"):
+        phases[name] = {"copies": {}, "runtime": {}}
+        if compute is not None:
+            phases[name].update(compute_busy_ms=0.0, kernels=0, first=None, last=None)
+    for e in events:
+        cat = e.get("cat")
+        ts, dur = float(e["ts"]), float(e["dur"])
+        phase = phases[_phase_name(ts, boundary)]
+        if cat == "kernel" and e.get("args", {}).get("stream", e.get("tid")) == compute:
+            phase["compute_busy_ms"] += dur / 1e3
+            phase["kernels"] += 1
+            phase["first"] = ts if phase["first"] is None else min(phase["first"], ts)
+            phase["last"] = ts + dur if phase["last"] is None else max(phase["last"], ts + dur)
+        elif cat == "gpu_memcpy":
+            entry = phase["copies"].setdefault(e.get("name", "?"), [0, 0.0, 0])
+            entry[0] += 1
+            entry[1] += dur / 1e3
+            entry[2] += int(e.get("args", {}).get("bytes", 0) or 0)
+        elif cat in ("cuda_runtime", "cuda_driver"):
+            entry = phase["runtime"].setdefault(e.get("name", "?"), [0, 0.0])
+            entry[0] += 1
+            entry[1] += dur / 1e3
+    for phase in phases.values():
+        first, last = phase.pop("first", None), phase.pop("last", None)
+        if first is not None and last is not None:
+            phase["compute_span_ms"] = (last - first) / 1e3
+            phase["compute_idle_ms"] = phase["compute_span_ms"] - phase["compute_busy_ms"]
+    return {"compute_stream": compute, **phases}

@@ -19,6 +19,7 @@ rounds, so no compile time is ever timed, and its row says what the compiler did
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import json
@@ -34,7 +35,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from matepoint_examples._bench_worker import environment, held_forward
+from matepoint_examples._bench_worker import (
+    _FORWARD_MARK,
+    environment,
+    held_forward,
+    summarize_trace,
+    write_partial,
+)
 from matepoint_examples._compiled import CompiledForward
 from matepoint_examples._runtime import synchronize
 from matepoint_examples._workloads import Built, Workload, build
@@ -60,8 +67,6 @@ COMPILED_REFERENCE = "torch-compile"
 
 METRICS = ("step_s", "forward_host_s", "forward_gpu_s", "backward_gpu_s")
 """What each timed step records (GPU spans only on CUDA; see :func:`run_paired`)."""
-
-_FORWARD_MARK = "matepoint-bench forward"
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -212,6 +217,7 @@ def run_paired(
     warmup: int,
     trace: bool = False,
     compile_backend: str | None = None,
+    partial: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every strategy on one model, alternating step by step, and summarize.
 
@@ -231,6 +237,9 @@ def run_paired(
         trace: Add the profiled step. Default: ``False``.
         compile_backend: ``torch.compile`` backend of the compiled strategies. Default:
             inductor on CUDA, aot_eager elsewhere.
+        partial: File rewritten with the rows so far after the compile step, every round and
+            the counted step (:func:`_save_partial`), so a worker killed by its timeout still
+            hands over what it measured. Default: none.
 
     Returns:
         One JSON-ready row per strategy: ``status``, per-round ``times``, the median
@@ -283,19 +292,19 @@ def run_paired(
                 built.model.parameters(), lr=1e-4, fused=device.type == "cuda"
             )
             clock = _Clock(device)
-            _rounds(runs, switch, optimizer, clock, active, rows, times, rounds, warmup)
+            _rounds(runs, switch, optimizer, clock, active, rows, times, rounds, warmup, partial)
             live = [s for s in active if rows[s.name]["status"] == "ok"]
             for strategy in live:
                 run = runs[strategy.name]
                 _counted_step(run, switch, optimizer, clock, strategy, rows[strategy.name])
+            if partial is not None:
+                _save_partial(partial, rows, runs, times, warmup + rounds, counted=True)
             if trace:
                 for strategy in live:
                     switch.current = strategy
                     rows[strategy.name]["trace"] = trace_step(runs[strategy.name], strategy, device)
                     optimizer.zero_grad(set_to_none=True)
-            for name, run in runs.items():
-                if isinstance(run.loss, CompiledForward):
-                    rows[name]["compile"] = run.loss.report()
+            _add_compile_reports(rows, runs)
     except Exception as exc:  # the model or a session failed: every row says so
         note = f"{type(exc).__name__}: {exc}"[:500]
         for row in rows.values():
@@ -315,11 +324,13 @@ def _rounds(
     times: dict[str, list[dict[str, float | None] | None]],
     rounds: int,
     warmup: int,
+    partial: Path | None,
 ) -> None:
     """Run the compile step, the warm-up and the timed rounds of :func:`run_paired`.
 
     The compile step runs each compiled strategy once (its first forward and backward compile;
-    the row keeps that step's time as ``compile_step_s``); the rounds then fill ``times``.
+    the row keeps that step's time as ``compile_step_s``); the rounds then fill ``times``. With
+    ``partial``, the rows so far are saved after the compile step (if any) and every round.
     """
     by_name = {s.name: s for s in active}
     schedule = [[s.name for s in active if s.compiled is not None]]
@@ -353,6 +364,36 @@ def _rounds(
         else:
             workload = rows[order[0]]["workload"]
             _report_progress(f"{workload}: round {index} of {len(schedule) - 1}")
+        if partial is not None and order:
+            _save_partial(partial, rows, runs, times, index, counted=False)
+
+
+def _add_compile_reports(rows: dict[str, dict[str, Any]], runs: Mapping[str, Built]) -> None:
+    """Put what the compiler did into each compiled strategy's row (``compile``)."""
+    for name, run in runs.items():
+        if isinstance(run.loss, CompiledForward):
+            rows[name]["compile"] = run.loss.report()
+
+
+def _save_partial(
+    path: Path,
+    rows: dict[str, dict[str, Any]],
+    runs: Mapping[str, Built],
+    times: Mapping[str, Sequence[dict[str, float | None] | None]],
+    done: int,
+    counted: bool,
+) -> None:
+    """Write copies of the rows, summarized over the timed rounds so far, for a run cut short.
+
+    The file (:func:`write_partial`) holds ``{"mode": "paired", "rows": [...], "progress":
+    {"rounds_done": done, "counted_step": counted}}``; ``done`` counts the warm-up rounds, as
+    the rows' ``warmup`` and ``rounds`` do, and before the counted step rows lack its figures.
+    """
+    snapshot = copy.deepcopy(rows)
+    _add_compile_reports(snapshot, runs)
+    _summarize(snapshot, times)
+    progress = {"rounds_done": done, "counted_step": counted}
+    write_partial(path, {"mode": "paired", "rows": list(snapshot.values()), "progress": progress})
 
 
 def _report_progress(what: str, step: dict[str, float | None] | None = None) -> None:
@@ -464,65 +505,3 @@ def trace_step(built: Built, strategy: Strategy, device: torch.device) -> dict[s
         prof.export_chrome_trace(str(path))
         data = json.loads(path.read_text())
     return summarize_trace(data)
-
-
-def _phase_name(ts: float, boundary: float | None) -> str:
-    return "forward" if boundary is not None and ts < boundary else "backward"
-
-
-def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Reduce a Chrome trace of one step to per-phase device and runtime figures.
-
-    The compute stream is the stream with the most kernel time. Per phase (forward until the
-    end of the ``matepoint-bench forward`` range, backward after it): the compute stream's
-    busy time (sum of its kernels) and span (first kernel start to last kernel end), copies by
-    kind (count, device milliseconds, bytes), and CUDA runtime calls by name (count, host
-    milliseconds): event records and waits, copies, synchronizations.
-
-    Args:
-        data: The parsed trace (``export_chrome_trace``'s JSON).
-
-    Returns:
-        ``{"compute_stream": ..., "forward": {...}, "backward": {...}}``; device figures are
-        absent when the trace holds no device activity (a CPU run).
-    """
-    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    boundary: float | None = None
-    for e in events:
-        if e.get("cat") == "user_annotation" and e.get("name") == _FORWARD_MARK:
-            boundary = float(e["ts"]) + float(e["dur"])
-    kernel_time: dict[Any, float] = {}
-    for e in events:
-        if e.get("cat") == "kernel":
-            stream = e.get("args", {}).get("stream", e.get("tid"))
-            kernel_time[stream] = kernel_time.get(stream, 0.0) + float(e["dur"])
-    compute = max(kernel_time, key=lambda k: kernel_time[k]) if kernel_time else None
-    phases: dict[str, dict[str, Any]] = {}
-    for name in ("forward", "backward"):
-        phases[name] = {"copies": {}, "runtime": {}}
-        if compute is not None:
-            phases[name].update(compute_busy_ms=0.0, kernels=0, first=None, last=None)
-    for e in events:
-        cat = e.get("cat")
-        ts, dur = float(e["ts"]), float(e["dur"])
-        phase = phases[_phase_name(ts, boundary)]
-        if cat == "kernel" and e.get("args", {}).get("stream", e.get("tid")) == compute:
-            phase["compute_busy_ms"] += dur / 1e3
-            phase["kernels"] += 1
-            phase["first"] = ts if phase["first"] is None else min(phase["first"], ts)
-            phase["last"] = ts + dur if phase["last"] is None else max(phase["last"], ts + dur)
-        elif cat == "gpu_memcpy":
-            entry = phase["copies"].setdefault(e.get("name", "?"), [0, 0.0, 0])
-            entry[0] += 1
-            entry[1] += dur / 1e3
-            entry[2] += int(e.get("args", {}).get("bytes", 0) or 0)
-        elif cat in ("cuda_runtime", "cuda_driver"):
-            entry = phase["runtime"].setdefault(e.get("name", "?"), [0, 0.0])
-            entry[0] += 1
-            entry[1] += dur / 1e3
-    for phase in phases.values():
-        first, last = phase.pop("first", None), phase.pop("last", None)
-        if first is not None and last is not None:
-            phase["compute_span_ms"] = (last - first) / 1e3
-            phase["compute_idle_ms"] = phase["compute_span_ms"] - phase["compute_busy_ms"]
-    return {"compute_stream": compute, **phases}

@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", choices=("paired", "train", "transfer"), help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("--strategy", help=argparse.SUPPRESS)
+    p.add_argument("--partial", type=Path, help=argparse.SUPPRESS)  # paired: rows so far
     return p
 
 
@@ -127,6 +129,7 @@ def _worker_main(args: argparse.Namespace) -> int:
             args.warmup,
             trace=args.trace,
             compile_backend=args.compile_backend,
+            partial=args.partial,
         )
         result = {"mode": "paired", "rows": rows}
     else:
@@ -149,30 +152,30 @@ def run_worker_subprocess(worker_args: Sequence[str], timeout: float) -> dict[st
     """Run ``python -m matepoint_examples.bench --worker ...`` and parse its JSON.
 
     The package's own folder is put first on the child's ``PYTHONPATH`` so a source checkout
-    works without installing.
+    works without installing. The child gets ``--partial FILE`` in a temporary folder: a paired
+    worker keeps its rows so far there, so a timeout does not lose the rounds it finished.
 
     Args:
         worker_args: Arguments after the module name (must include ``--worker``).
         timeout: Seconds before the child is killed.
 
     Returns:
-        The child's result, or a row with ``status`` ``"error"`` saying what went wrong.
+        The child's result; after a timeout, a paired worker's partial result (see
+        :func:`_timed_out`); else a row with ``status`` ``"error"`` saying what went wrong.
     """
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "matepoint_examples.bench", *worker_args]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as exc:
-        # What the child had reported on stderr (a paired worker reports each compile step)
-        # says how far it got.
-        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
-        progress = " / ".join((err or "").strip().splitlines()[-6:])
-        note = f"timed out after {timeout:.0f} s" + (
-            f"; last reported: {progress}" if progress else ""
-        )
-        return {"status": "error", "note": note[:1000]}
+    with tempfile.TemporaryDirectory(prefix="matepoint-bench-") as folder:
+        partial = Path(folder) / "partial.json"
+        cmd = [sys.executable, "-m", "matepoint_examples.bench", *worker_args]
+        cmd += ["--partial", str(partial)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired as exc:
+            raw: bytes | str | None = exc.stderr  # bytes, whatever ``text`` says
+            err = raw.decode(errors="replace") if isinstance(raw, bytes) else raw or ""
+            return _timed_out(timeout, err, partial)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             try:
@@ -182,6 +185,42 @@ def run_worker_subprocess(worker_args: Sequence[str], timeout: float) -> dict[st
             return parsed
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return {"status": "error", "note": f"worker exit {proc.returncode}: {' / '.join(tail)}"[:500]}
+
+
+def _timed_out(timeout: float, stderr: str, partial: Path) -> dict[str, Any]:
+    """Describe a worker killed by its timeout, keeping the rows of a paired worker's last round.
+
+    The note says how far the worker got from what it reported on stderr: every compile-step
+    line (a long compile is the usual reason for a timeout) and the last lines. A paired worker
+    that got past its compile step left ``partial`` (see ``_paired._save_partial``): its rows
+    come back, the ones that were running marked ``"partial"`` with a note saying which rounds
+    they cover and what is missing, so that no report takes them for a complete run.
+
+    Args:
+        timeout: The seconds the worker had.
+        stderr: What it wrote on stderr.
+        partial: Where a paired worker keeps its rows so far.
+
+    Returns:
+        The partial result (``rows`` and ``progress``), or an error row without one.
+    """
+    lines = stderr.strip().splitlines()
+    reported = dict.fromkeys([*(x for x in lines if ": compile step" in x), *lines[-6:]])
+    tail = f"; last reported: {' / '.join(reported)}" if reported else ""
+    note = f"timed out after {timeout:.0f} s"
+    try:
+        result: dict[str, Any] = json.loads(partial.read_text())
+        done, counted = result["progress"]["rounds_done"], result["progress"]["counted_step"]
+        first = result["rows"][0]
+    except (OSError, ValueError, KeyError, IndexError):
+        return {"status": "error", "note": (note + tail)[:1000]}
+    of = f"of {first['warmup'] + first['rounds']} (of which {first['warmup']} warm-up)"
+    note += f" after round {done} {of}" if done else f" after the compile step, before round 1 {of}"
+    note += " and the counted step" if counted else "; counted step not run: no held-after-forward"
+    for row in result["rows"]:
+        if row.get("status") == "ok":
+            row.update(status="partial", note=(note + tail)[:1000])
+    return result
 
 
 def _header(device: torch.device, args: argparse.Namespace) -> str:
@@ -222,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         ``0`` when every run finished (skipped and out-of-memory rows count as finished),
-        ``1`` if a run errored, ``2`` for bad arguments.
+        ``1`` if a run errored or timed out (partial rows too), ``2`` for bad arguments.
     """
     args = _parser().parse_args(argv)
     if args.rounds is None:
@@ -306,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(report.transfer_markdown(transfer), markup=False)
     console.print("wrote " + ", ".join(str(f) for f in files))
     everything = [*paired, *memory, *([transfer] if transfer else [])]
-    return 1 if any(r.get("status") == "error" for r in everything) else 0
+    return 1 if any(r.get("status") in ("error", "partial") for r in everything) else 0
 
 
 def _run_job(
