@@ -34,8 +34,8 @@ def test_choosing_the_transfer_stream_makes_record_stream_compile() -> None:
     import torch._functorch.config as config
 
     compat.compiled_offload_config(pipelined=True)
-    assert config.activation_offload_separate_stream is compat.COMPILED_OFFLOAD_STREAMS
-    assert config.activation_reload_prefetch is compat.COMPILED_OFFLOAD_STREAMS
+    assert config.activation_offload_separate_stream is True
+    assert config.activation_reload_prefetch is True
     assert config.activation_offload_sink_wait is False
     record_stream = torch.ops.streams.record_stream.default
     # What inductor does with the op: run its fake implementation on a fake tensor.

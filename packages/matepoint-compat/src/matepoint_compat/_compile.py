@@ -41,7 +41,6 @@ from matepoint_compat._version import TORCH_2_11_PLUS, TORCH_2_12_PLUS
 
 __all__ = [
     "COMPILED_OFFLOAD",
-    "COMPILED_OFFLOAD_STREAMS",
     "annotate_offload",
     "compile_tracing",
     "compiled_offload_config",
@@ -97,17 +96,6 @@ torch has all of it.
 """
 
 
-COMPILED_OFFLOAD_STREAMS: bool = TORCH_2_11_PLUS
-"""Whether the compiled path may copy on torch's transfer stream (``pipeline=True``).
-
-From torch 2.11 on, where the compiled path exists. torch 2.11's own transfer-stream offload
-does not compile through inductor (its ``streams::record_stream`` has a fake implementation with
-the wrong arguments); :func:`_mend_stream_ops` fixes that before matepoint's compiled path uses
-the stream there. Checked on an H200 with torch 2.11 (gradients equal to torch's checkpoint
-under compile); torch 2.13's stream path is checked on the CPU only.
-"""
-
-
 def _record_stream_fake(tensor: torch.Tensor, stream_index: int) -> None:
     del tensor, stream_index  # the op returns nothing and changes no tensor metadata
 
@@ -121,7 +109,9 @@ def _mend_stream_ops() -> None:
     mark the op as having a side effect, so a graph pass may drop it as unused. Its
     transfer-stream offload inserts the op before every copy, so neither torch's nor
     matepoint's compiled offload can copy on the transfer stream there. This registers the fake
-    implementation and the side effect torch 2.12 has. Idempotent; nothing to do from 2.12 on.
+    implementation and the side effect torch 2.12 has, for the rest of the process (checked on
+    an H200 with torch 2.11: gradients equal to torch's checkpoint under compile). Idempotent;
+    nothing to do from 2.12 on.
     Shim (gate ``TORCH_2_12_PLUS``) can go when 2.12 is the oldest supported torch.
     """
     if TORCH_2_12_PLUS or not COMPILED_OFFLOAD:
@@ -246,7 +236,6 @@ def compiled_offload_config(*, pipelined: bool) -> None:
     (:func:`_mend_stream_ops`).
     """
     config = _functorch_config()
-    pipelined = pipelined and COMPILED_OFFLOAD_STREAMS
     if pipelined:
         _mend_stream_ops()
     config.activation_offload_separate_stream = pipelined

@@ -17,9 +17,11 @@ Note [The compiled path]
     only a pass at that point sees what is really kept; torch's pass already orders the copies
     against the graph (after the last use in forward, reloads prefetched by estimated transfer
     time), and the compiled step stays exactly torch's checkpoint under compile, so gradients
-    are bitwise those of torch's (same graph, same RNG handling) with the copies added. The
-    choice is by construction, not yet by measurement: the H200 benchmark of issue 16 puts this
-    route beside torch's checkpoint under compile and torch's own compiled offloading.
+    are bitwise those of torch's (same graph, same RNG handling) with the copies added. Measured
+    on an H200 (docs/benchmarks.md, compile-era peers): faster than torch's compiled offloading
+    as torch 2.11 ships it, with the same device memory held after forward, because this path
+    also copies on the transfer stream there (``matepoint_compat`` mends the op torch 2.11 cannot
+    compile).
 
     What carries over from matepoint's options: ``min_offload_bytes`` and the keep rules (what
     stays on the device in eager mode stays there here too); ``pipeline`` chooses torch's
