@@ -20,7 +20,6 @@ from matepoint_examples._paired import (
     quartiles,
     round_order,
     run_paired,
-    summarize_trace,
 )
 from matepoint_examples._workloads import get_workload
 from matepoint_examples.strategies import get_strategy
@@ -175,35 +174,3 @@ def test_run_paired_trace_on_cpu() -> None:
     trace = rows[0]["trace"]
     assert trace["compute_stream"] is None  # no device activity on a CPU
     assert set(trace) == {"compute_stream", "forward", "backward"}
-
-
-def _event(cat: str, name: str, ts: float, dur: float, **args: Any) -> dict[str, Any]:
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
-
-
-def test_summarize_trace_splits_phases_and_finds_the_compute_stream() -> None:
-    events = [
-        _event("user_annotation", _paired._FORWARD_MARK, 0.0, 100.0),
-        _event("kernel", "gemm", 10.0, 30.0, stream=7),
-        _event("kernel", "gemm", 50.0, 20.0, stream=7),
-        _event("kernel", "small", 60.0, 5.0, stream=20),
-        _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 45.0, 10.0, stream=20, bytes=1000),
-        _event("cuda_runtime", "cudaEventRecord", 5.0, 2.0),
-        _event("cuda_runtime", "cudaEventRecord", 6.0, 2.0),
-        _event("kernel", "gemm_bwd", 120.0, 50.0, stream=7),
-        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 110.0, 8.0, stream=20, bytes=1000),
-        _event("cuda_runtime", "cudaStreamWaitEvent", 115.0, 1.0),
-        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 1.0},
-    ]
-    summary = summarize_trace({"traceEvents": events})
-    assert summary["compute_stream"] == 7
-    forward, backward = summary["forward"], summary["backward"]
-    assert forward["compute_busy_ms"] == pytest.approx(0.05)
-    assert forward["compute_span_ms"] == pytest.approx(0.06)
-    assert forward["compute_idle_ms"] == pytest.approx(0.01)
-    assert forward["kernels"] == 2
-    assert forward["copies"] == {"Memcpy DtoH (Device -> Pinned)": [1, 0.01, 1000]}
-    assert forward["runtime"] == {"cudaEventRecord": [2, pytest.approx(0.004)]}
-    assert backward["compute_busy_ms"] == pytest.approx(0.05)
-    assert backward["copies"]["Memcpy HtoD (Pinned -> Device)"][0] == 1
-    assert backward["runtime"]["cudaStreamWaitEvent"][0] == 1

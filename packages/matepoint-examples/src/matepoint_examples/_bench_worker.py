@@ -17,7 +17,6 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +41,10 @@ __all__ = [
     "held_forward",
     "run_train",
     "run_transfer",
-    "summarize_trace",
     "write_partial",
 ]
 
 _GB = 1e9
-
-_FORWARD_MARK = "matepoint-bench forward"
-"""The profiler range around a traced step's forward (see :func:`summarize_trace`)."""
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -420,65 +415,3 @@ def run_transfer(device: torch.device, quick: bool = False) -> dict[str, Any]:
         result.update(status="error", note=f"{type(exc).__name__}: {exc}"[:500])
         result["traceback"] = traceback.format_exc()[-4000:]
     return result
-
-
-def _phase_name(ts: float, boundary: float | None) -> str:
-    return "forward" if boundary is not None and ts < boundary else "backward"
-
-
-def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Reduce a Chrome trace of one step to per-phase device and runtime figures.
-
-    The compute stream is the stream with the most kernel time. Per phase (forward until the
-    end of the ``matepoint-bench forward`` range, backward after it): the compute stream's
-    busy time (sum of its kernels) and span (first kernel start to last kernel end), copies by
-    kind (count, device milliseconds, bytes), and CUDA runtime calls by name (count, host
-    milliseconds): event records and waits, copies, synchronizations.
-
-    Args:
-        data: The parsed trace (``export_chrome_trace``'s JSON).
-
-    Returns:
-        ``{"compute_stream": ..., "forward": {...}, "backward": {...}}``; device figures are
-        absent when the trace holds no device activity (a CPU run).
-    """
-    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    boundary: float | None = None
-    for e in events:
-        if e.get("cat") == "user_annotation" and e.get("name") == _FORWARD_MARK:
-            boundary = float(e["ts"]) + float(e["dur"])
-    kernel_time: dict[Any, float] = {}
-    for e in events:
-        if e.get("cat") == "kernel":
-            stream = e.get("args", {}).get("stream", e.get("tid"))
-            kernel_time[stream] = kernel_time.get(stream, 0.0) + float(e["dur"])
-    compute = max(kernel_time, key=lambda k: kernel_time[k]) if kernel_time else None
-    phases: dict[str, dict[str, Any]] = {}
-    for name in ("forward", "backward"):
-        phases[name] = {"copies": {}, "runtime": {}}
-        if compute is not None:
-            phases[name].update(compute_busy_ms=0.0, kernels=0, first=None, last=None)
-    for e in events:
-        cat = e.get("cat")
-        ts, dur = float(e["ts"]), float(e["dur"])
-        phase = phases[_phase_name(ts, boundary)]
-        if cat == "kernel" and e.get("args", {}).get("stream", e.get("tid")) == compute:
-            phase["compute_busy_ms"] += dur / 1e3
-            phase["kernels"] += 1
-            phase["first"] = ts if phase["first"] is None else min(phase["first"], ts)
-            phase["last"] = ts + dur if phase["last"] is None else max(phase["last"], ts + dur)
-        elif cat == "gpu_memcpy":
-            entry = phase["copies"].setdefault(e.get("name", "?"), [0, 0.0, 0])
-            entry[0] += 1
-            entry[1] += dur / 1e3
-            entry[2] += int(e.get("args", {}).get("bytes", 0) or 0)
-        elif cat in ("cuda_runtime", "cuda_driver"):
-            entry = phase["runtime"].setdefault(e.get("name", "?"), [0, 0.0])
-            entry[0] += 1
-            entry[1] += dur / 1e3
-    for phase in phases.values():
-        first, last = phase.pop("first", None), phase.pop("last", None)
-        if first is not None and last is not None:
-            phase["compute_span_ms"] = (last - first) / 1e3
-            phase["compute_idle_ms"] = phase["compute_span_ms"] - phase["compute_busy_ms"]
-    return {"compute_stream": compute, **phases}

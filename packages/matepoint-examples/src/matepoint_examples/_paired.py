@@ -22,10 +22,8 @@ import contextlib
 import copy
 import dataclasses
 import gc
-import json
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -35,15 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from matepoint_examples._bench_worker import (
-    _FORWARD_MARK,
-    environment,
-    held_forward,
-    summarize_trace,
-    write_partial,
-)
+from matepoint_examples._bench_worker import environment, held_forward, write_partial
 from matepoint_examples._compiled import CompiledForward
 from matepoint_examples._runtime import synchronize
+from matepoint_examples._trace import trace_step
 from matepoint_examples._workloads import Built, Workload, build
 from matepoint_examples.strategies import Strategy, get_strategy
 
@@ -56,7 +49,6 @@ __all__ = [
     "quartiles",
     "round_order",
     "run_paired",
-    "summarize_trace",
 ]
 
 REFERENCE = "torch"
@@ -469,39 +461,3 @@ def _summarize(
         row["ratio"] = step["median"] if step else None
         row["ratio_q1"] = step["q1"] if step else None
         row["ratio_q3"] = step["q3"] if step else None
-
-
-def trace_step(built: Built, strategy: Strategy, device: torch.device) -> dict[str, Any]:
-    """Run one step under ``torch.profiler`` and summarize its forward and backward.
-
-    A synchronize ends the forward inside its profiler range, so the range's end splits the
-    device activity cleanly into the two phases (the step is otherwise a normal one).
-
-    Args:
-        built: The workload's model and loss.
-        strategy: The strategy to run (already current in the model's switch).
-        device: Where it runs.
-
-    Returns:
-        :func:`summarize_trace` of the step.
-    """
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    built.model.zero_grad(set_to_none=True)
-    synchronize(device)
-    with profile(activities=activities) as prof:
-        with record_function(_FORWARD_MARK):
-            with strategy.forward_context():
-                loss = built.loss()
-            synchronize(device)
-        torch.autograd.backward(loss)
-        synchronize(device)
-    del loss
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        data = json.loads(path.read_text())
-    return summarize_trace(data)

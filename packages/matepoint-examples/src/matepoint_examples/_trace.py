@@ -1,0 +1,123 @@
+"""One benchmark step under ``torch.profiler``, reduced to per-phase device and runtime figures.
+
+``matepoint-bench --trace`` profiles one step per strategy after the paired rounds; this module
+runs that step and turns its Chrome trace into the forward and backward figures the report shows
+(compute-stream busy and idle time, copies by kind, CUDA runtime calls).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from matepoint_examples._runtime import synchronize
+from matepoint_examples._workloads import Built
+from matepoint_examples.strategies import Strategy
+
+__all__ = ["FORWARD_MARK", "summarize_trace", "trace_step"]
+
+FORWARD_MARK = "matepoint-bench forward"
+"""The profiler range around a traced step's forward (see :func:`summarize_trace`)."""
+
+
+def trace_step(built: Built, strategy: Strategy, device: torch.device) -> dict[str, Any]:
+    """Run one step under ``torch.profiler`` and summarize its forward and backward.
+
+    A synchronize ends the forward inside its profiler range, so the range's end splits the
+    device activity cleanly into the two phases (the step is otherwise a normal one).
+
+    Args:
+        built: The workload's model and loss.
+        strategy: The strategy to run (already current in the model's switch).
+        device: Where it runs.
+
+    Returns:
+        :func:`summarize_trace` of the step.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    built.model.zero_grad(set_to_none=True)
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        with record_function(FORWARD_MARK):
+            with strategy.forward_context():
+                loss = built.loss()
+            synchronize(device)
+        torch.autograd.backward(loss)
+        synchronize(device)
+    del loss
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        data = json.loads(path.read_text())
+    return summarize_trace(data)
+
+
+def _phase_name(ts: float, boundary: float | None) -> str:
+    return "forward" if boundary is not None and ts < boundary else "backward"
+
+
+def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Reduce a Chrome trace of one step to per-phase device and runtime figures.
+
+    The compute stream is the stream with the most kernel time. Per phase (forward until the
+    end of the ``matepoint-bench forward`` range, backward after it): the compute stream's
+    busy time (sum of its kernels) and span (first kernel start to last kernel end), copies by
+    kind (count, device milliseconds, bytes), and CUDA runtime calls by name (count, host
+    milliseconds): event records and waits, copies, synchronizations.
+
+    Args:
+        data: The parsed trace (``export_chrome_trace``'s JSON).
+
+    Returns:
+        ``{"compute_stream": ..., "forward": {...}, "backward": {...}}``; device figures are
+        absent when the trace holds no device activity (a CPU run).
+    """
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    boundary: float | None = None
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("name") == FORWARD_MARK:
+            boundary = float(e["ts"]) + float(e["dur"])
+    kernel_time: dict[Any, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            stream = e.get("args", {}).get("stream", e.get("tid"))
+            kernel_time[stream] = kernel_time.get(stream, 0.0) + float(e["dur"])
+    compute = max(kernel_time, key=lambda k: kernel_time[k]) if kernel_time else None
+    phases: dict[str, dict[str, Any]] = {}
+    for name in ("forward", "backward"):
+        phases[name] = {"copies": {}, "runtime": {}}
+        if compute is not None:
+            phases[name].update(compute_busy_ms=0.0, kernels=0, first=None, last=None)
+    for e in events:
+        cat = e.get("cat")
+        ts, dur = float(e["ts"]), float(e["dur"])
+        phase = phases[_phase_name(ts, boundary)]
+        if cat == "kernel" and e.get("args", {}).get("stream", e.get("tid")) == compute:
+            phase["compute_busy_ms"] += dur / 1e3
+            phase["kernels"] += 1
+            phase["first"] = ts if phase["first"] is None else min(phase["first"], ts)
+            phase["last"] = ts + dur if phase["last"] is None else max(phase["last"], ts + dur)
+        elif cat == "gpu_memcpy":
+            entry = phase["copies"].setdefault(e.get("name", "?"), [0, 0.0, 0])
+            entry[0] += 1
+            entry[1] += dur / 1e3
+            entry[2] += int(e.get("args", {}).get("bytes", 0) or 0)
+        elif cat in ("cuda_runtime", "cuda_driver"):
+            entry = phase["runtime"].setdefault(e.get("name", "?"), [0, 0.0])
+            entry[0] += 1
+            entry[1] += dur / 1e3
+    for phase in phases.values():
+        first, last = phase.pop("first", None), phase.pop("last", None)
+        if first is not None and last is not None:
+            phase["compute_span_ms"] = (last - first) / 1e3
+            phase["compute_idle_ms"] = phase["compute_span_ms"] - phase["compute_busy_ms"]
+    return {"compute_stream": compute, **phases}
