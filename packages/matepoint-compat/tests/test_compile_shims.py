@@ -19,9 +19,11 @@ _STREAM_SETTINGS = (
 
 @pytest.fixture
 def functorch_settings() -> Iterator[None]:
-    """Leave the AOTAutograd settings the test changes as they were."""
+    """Leave the AOTAutograd settings the test changes as they were; skip where torch lacks them."""
     import torch._functorch.config as config
 
+    if not all(hasattr(config, name) for name in _STREAM_SETTINGS):
+        pytest.skip("this torch has no compiled activation offloading")
     saved = {name: getattr(config, name) for name in _STREAM_SETTINGS}
     yield
     for name, value in saved.items():
@@ -54,7 +56,5 @@ def test_choosing_the_transfer_stream_makes_record_stream_compile() -> None:
 def test_synchronous_copies_leave_the_stream_settings_off() -> None:
     import torch._functorch.config as config
 
-    if not all(hasattr(config, name) for name in _STREAM_SETTINGS):
-        pytest.skip("this torch has no compiled activation offloading")
     compat.compiled_offload_config(pipelined=False)
     assert not any(getattr(config, name) for name in _STREAM_SETTINGS)
