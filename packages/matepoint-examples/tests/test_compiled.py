@@ -147,28 +147,41 @@ def test_torch_compiled_offload_moves_the_checkpoint_inputs(
 
 
 @pytest.mark.parametrize(
-    ("lookups", "expected"),
-    [([], "not used"), (["hit"], "hit"), (["miss"], "miss"), (["miss", "bypass"], "miss+bypass")],
+    ("forward", "backward", "expected"),
+    [
+        ([], [], "not used"),
+        (["hit"], [], "hit"),
+        (["miss"], ["saved"], "miss+saved"),
+        (["miss"], [], "miss"),
+        (["bypass"], [], "bypass"),
+    ],
 )
-def test_compiled_forward_reports_what_the_autograd_cache_did_on_the_first_call(
-    lookups: list[str], expected: str
+def test_compiled_forward_reports_what_the_autograd_cache_did_in_the_compile_step(
+    forward: list[str], backward: list[str], expected: str
 ) -> None:
     from torch._dynamo.utils import counters
 
+    calls = [forward, backward, ["hit"]]  # lookups and saves each call brings about
+
     def compiled(loss: Any) -> Tensor:
-        for outcome in lookups:
+        for outcome in calls.pop(0):
             counters["aot_autograd"][f"autograd_cache_{outcome}"] += 1
         return loss()
 
-    forward = _compiled.CompiledForward(
+    def lazy_backward() -> None:  # what the first backward does: compile, maybe save
+        for outcome in calls.pop(0):
+            counters["aot_autograd"][f"autograd_cache_{outcome}"] += 1
+
+    step = _compiled.CompiledForward(
         lambda: torch.zeros(()), "probe", _compiled.CompileSpec(), CPU, backend="eager"
     )
-    forward.compiled = compiled
-    forward()
-    assert forward.report()["autograd_cache"] == expected
-    lookups = ["hit"]  # a later call's lookups do not change the first call's outcome
-    forward()
-    assert forward.report()["autograd_cache"] == expected
+    step.compiled = compiled
+    step()
+    lazy_backward()
+    assert step.report()["autograd_cache"] == expected
+    calls.insert(0, ["hit"])  # a later step's lookups do not change what the compile step did
+    step()
+    assert step.report()["autograd_cache"] == expected
 
 
 def test_torch_compiled_offload_reports_an_old_torch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -290,11 +290,11 @@ def _dynamo_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-_CACHE_OUTCOMES = ("hit", "miss", "bypass")
+_CACHE_OUTCOMES = ("hit", "miss", "saved", "bypass")
 
 
 def _autograd_cache_counts() -> dict[str, int]:
-    """AOTAutograd's compile-cache lookups in this process so far, by outcome."""
+    """AOTAutograd's compile-cache lookups and saves in this process so far, by outcome."""
     from torch._dynamo.utils import counters
 
     return {
@@ -338,24 +338,30 @@ class CompiledForward:
         self.graphs = 0
         self.graphs_after_first_call = 0
         self.graph_breaks = 0
-        self.autograd_cache = "not used"
+        self._cache_counts_before: dict[str, int] | None = None
+        self.autograd_cache: str | None = None
+
+    def _settle_autograd_cache(self) -> None:
+        """Say what AOTAutograd's cache did from the first call until now (once)."""
+        if self._cache_counts_before is None or self.autograd_cache is not None:
+            return
+        before = self._cache_counts_before
+        outcomes = [name for name, n in _autograd_cache_counts().items() if n > before[name]]
+        self.autograd_cache = "+".join(outcomes) or "not used"
 
     def __call__(self) -> Tensor:
         """Run one forward through the compiled copy (compiling it on the first call)."""
         graphs, breaks = _dynamo_counts()
-        lookups = _autograd_cache_counts()
+        if self.calls == 0:
+            self._cache_counts_before = _autograd_cache_counts()
+        else:  # the compile step (first forward and its backward) is over
+            self._settle_autograd_cache()
         t0 = time.perf_counter()
         with _functorch_config().patch(self.settings):
             out: Tensor = self.compiled(self.loss)
         graphs_now, breaks_now = _dynamo_counts()
         if self.calls == 0:
             self.first_call_s = time.perf_counter() - t0
-            outcomes = [
-                outcome
-                for outcome, count in _autograd_cache_counts().items()
-                if count > lookups[outcome]
-            ]
-            self.autograd_cache = "+".join(outcomes) or "not used"
         else:
             self.graphs_after_first_call += graphs_now - graphs
         self.calls += 1
@@ -366,11 +372,13 @@ class CompiledForward:
     def report(self) -> dict[str, Any]:
         """Return what the compiler did for this strategy (JSON-ready).
 
-        ``autograd_cache`` says whether the first forward found its compiled graphs in
-        AOTAutograd's on-disk cache (``hit``: the joint pass and the partitioner did not run in
-        this process, so a strategy's marks count 0), compiled and stored them (``miss``),
-        could not cache them (``bypass``), or did not use the cache (``not used``).
+        ``autograd_cache`` says what AOTAutograd's on-disk cache did in the compile step (the
+        first forward and its backward, which compiles lazily): ``hit`` (the joint pass and the
+        partitioner did not run in this process, so a strategy's marks count 0), ``miss+saved``
+        (compiled and stored, for the next process), ``miss`` alone (compiled, not stored),
+        ``bypass`` (not cacheable), or ``not used``.
         """
+        self._settle_autograd_cache()
         info: dict[str, Any] = {
             "backend": self.backend,
             "calls": self.calls,
