@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,13 +47,17 @@ def trace_step(built: Built, strategy: Strategy, device: torch.device) -> dict[s
         activities.append(ProfilerActivity.CUDA)
     built.model.zero_grad(set_to_none=True)
     synchronize(device)
-    with profile(activities=activities) as prof:
-        with record_function(FORWARD_MARK):
-            with strategy.forward_context():
-                loss = built.loss()
+    with warnings.catch_warnings():
+        # torch 2.11 warns on every profiler start that a new cycle drops the last one's
+        # events; this profiles one step in one cycle.
+        warnings.filterwarnings("ignore", "Warning: Profiler clears events", UserWarning)
+        with profile(activities=activities) as prof:
+            with record_function(FORWARD_MARK):
+                with strategy.forward_context():
+                    loss = built.loss()
+                synchronize(device)
+            torch.autograd.backward(loss)
             synchronize(device)
-        torch.autograd.backward(loss)
-        synchronize(device)
     del loss
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
