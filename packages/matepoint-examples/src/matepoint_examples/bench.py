@@ -31,6 +31,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from matepoint_examples import _bench_plots as plots
 from matepoint_examples import _bench_report as report
 from matepoint_examples._bench_worker import environment, run_train, run_transfer
 from matepoint_examples._paired import REFERENCE, run_paired
@@ -331,9 +332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.write_markdown(args.out / "results.md", paired, memory, transfer, header),
     ]
     if not args.no_plots and (paired or memory):
-        files.append(report.plot_step_time_ratio(args.out / "step_time_ratio.png", paired))
-        files.append(report.plot_memory_vs_depth(args.out / "memory_vs_depth.png", memory))
-        files += report.plot_timelines(args.out, memory)
+        files.append(plots.plot_step_time_ratio(args.out / "step_time_ratio.png", paired))
+        files.append(plots.plot_memory_vs_depth(args.out / "memory_vs_depth.png", memory))
+        files += plots.plot_timelines(args.out, memory)
     if paired:
         console.print(report.rich_paired_table(paired))
     if memory:
