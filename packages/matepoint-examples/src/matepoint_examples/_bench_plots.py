@@ -27,6 +27,15 @@ def _strategies(rows: Sequence[Row]) -> list[str]:
     return list(dict.fromkeys(r.get("strategy", "?") for r in rows))
 
 
+def _save(plt: Any, fig: Any, ax: Any, title: str, path: Path) -> Path:
+    """Title the plot, write it to ``path`` as a PNG and free the figure."""
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _empty(ax: Any, text: str) -> None:
     """Write ``text`` in the middle of an otherwise empty axis."""
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
@@ -75,11 +84,8 @@ def plot_step_time_ratio(path: Path, rows: Sequence[Row]) -> Path:
         ax.legend(fontsize="small", ncol=2)
     else:
         _empty(ax, "no step-time ratios (torch checkpoint did not run)")
-    ax.set_title("Step time relative to torch.utils.checkpoint: median per round, IQR whiskers")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    title = "Step time relative to torch.utils.checkpoint: median per round, IQR whiskers"
+    return _save(plt, fig, ax, title, path)
 
 
 def plot_memory_vs_depth(path: Path, rows: Sequence[Row]) -> Path:
@@ -120,11 +126,7 @@ def plot_memory_vs_depth(path: Path, rows: Sequence[Row]) -> Path:
         ax.legend(fontsize="small")
     else:
         _empty(ax, "no device memory data (CPU run)")
-    ax.set_title("Device memory held after forward vs depth")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, "Device memory held after forward vs depth", path)
 
 
 def plot_timelines(out_dir: Path, rows: Sequence[Row]) -> list[Path]:
@@ -149,11 +151,7 @@ def plot_timelines(out_dir: Path, rows: Sequence[Row]) -> list[Path]:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=r["strategy"], linewidth=1.2)
         ax.set_xlabel("ms since step start (host clock)")
         ax.set_ylabel("device GB allocated")
-        ax.set_title(f"Device memory over one step: {w}")
         ax.legend(fontsize="small")
-        fig.tight_layout()
-        path = out_dir / f"timeline_{w}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        title = f"Device memory over one step: {w}"
+        written.append(_save(plt, fig, ax, title, out_dir / f"timeline_{w}.png"))
     return written
