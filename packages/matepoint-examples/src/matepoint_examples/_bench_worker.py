@@ -3,7 +3,8 @@
 Each measurement runs in its own process so that one strategy's allocator state, pinned pool and
 resident memory never leak into the next one's numbers, and an out-of-memory failure costs one
 row, not the run. The paired worker (:mod:`matepoint_examples._paired`) shares two helpers from
-here: the summary of a profiled step and the partial-result file a killed worker leaves behind.
+here: the held-after-forward measurement and the partial-result file a killed worker leaves
+behind.
 """
 
 from __future__ import annotations
