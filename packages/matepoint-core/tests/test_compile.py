@@ -412,6 +412,38 @@ def test_the_settings_minimum_size_applies_when_the_graph_compiles(
     assert backend.offloaded() == []
 
 
+@needs_compiled_offload
+def test_the_settings_copy_window_reaches_the_partitioner(
+    transport: CPUTestTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bound of Note [The forward copy window] is the device's max_inflight_bytes, as in eager
+    # mode. The CPU test transport has no streams, so the copies stay synchronous (no window).
+    asked: list[dict[str, Any]] = []
+    configure = compat.compiled_offload_config
+
+    def spy(**kwargs: Any) -> None:
+        asked.append(kwargs)
+        configure(**kwargs)
+
+    monkeypatch.setattr(compat, "compiled_offload_config", spy)
+    reference, model = twins()
+    with matepoint.options(max_inflight_bytes=12345):
+        assert_bitwise(step(model, "aot_eager"), step(reference, "aot_eager"))
+    assert asked == [{"pipelined": False, "max_inflight_bytes": 12345}]
+
+
+@needs_compiled_offload
+def test_the_copy_window_is_part_of_the_compile_cache_key() -> None:
+    from matepoint._compiled import _resolve
+
+    with matepoint.options(max_inflight_bytes=1):
+        first = _resolve(None, None, True)
+    with matepoint.options(max_inflight_bytes=2):
+        second = _resolve(None, None, True)
+    assert (first[3], second[3]) == (1, 2)
+    assert first[0] != second[0]
+
+
 class SharedInputModel(nn.Module):
     """A GPT's x0 pattern: a normed embedding every block reads, mixed in by a learnt scale."""
 
@@ -547,14 +579,74 @@ def _cuda_step(
     return [grad.clone() for grad in grads if grad is not None], held, breaks
 
 
+@functools.cache
+def _transfer_delay() -> Any:
+    """A test op that holds up the stream it runs on (``torch.cuda._sleep``) for ``cycles``.
+
+    Put before each forward copy on torch 2.11's transfer stream, it makes the copies finish long
+    after the compute that follows them has run: a value freed (or its buffer reused) before the
+    compute stream waited for its copy would then reach the host overwritten.
+    """
+    from torch.fx.node import has_side_effect
+
+    @torch.library.custom_op("matepoint_tests::transfer_delay", mutates_args=())
+    def transfer_delay(value: torch.Tensor, cycles: int) -> None:
+        del value
+        torch.cuda._sleep(cycles)
+
+    @transfer_delay.register_fake
+    def _(value: torch.Tensor, cycles: int) -> None:
+        del value, cycles
+
+    has_side_effect(torch.ops.matepoint_tests.transfer_delay.default)
+    return torch.ops.matepoint_tests.transfer_delay.default
+
+
+@pytest.fixture
+def window_moves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many forward waits the copy window moved, per graph; and slow copies where it can.
+
+    Wraps ``matepoint_compat._forward_window.bound_forward_waits``. On torch 2.11's layout (a
+    ``device_put`` on the transfer stream) it also puts ``_transfer_delay`` before each copy
+    (Streams standard: delay injection). torch 2.12+ copies inside one op, out of reach.
+    """
+    from matepoint_compat import _forward_window
+
+    moves: list[int] = []
+    original = _forward_window.bound_forward_waits
+
+    def spy(graph: torch.fx.Graph, max_inflight_bytes: int) -> int:
+        moved = original(graph, max_inflight_bytes)
+        moves.append(moved)
+        for node in list(graph.nodes):
+            if _forward_window._op_name(node) == "prims::device_put" and node.name.startswith(
+                "cpu_offload_"
+            ):
+                with graph.inserting_before(node):
+                    graph.call_function(_transfer_delay(), (node.args[0], 2_000_000))
+        return moved
+
+    monkeypatch.setattr(_forward_window, "bound_forward_waits", spy)
+    return moves
+
+
+_MIB = 1 << 20
+
+
 @pytest.mark.gpu
 @needs_compiled_offload
 @_INDUCTOR_IMPORT
 # Inductor suggests TF32 when it compiles an fp32 matmul on a GPU that has it; the test keeps fp32.
 @pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")
 @pytest.mark.usefixtures("clean_start")
-@pytest.mark.parametrize("pipeline", [True, False], ids=["pipeline", "nopipeline"])
-def test_inductor_on_cuda_offloads_and_matches_torch(pipeline: bool, marked: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("pipeline", "max_inflight_bytes"),
+    [(True, 40 * _MIB), (True, 2048 * _MIB), (True, 0), (False, 2048 * _MIB)],
+    ids=["pipeline-window40MiB", "pipeline-window2GiB", "pipeline-nowindow", "nopipeline"],
+)
+def test_inductor_on_cuda_offloads_and_matches_torch(
+    pipeline: bool, max_inflight_bytes: int, marked: list[str], window_moves: list[int]
+) -> None:
     from _cuda_helpers import TOKENS, make_stack
     from _cuda_helpers import WIDTH as CUDA_WIDTH
     from torch._inductor.utils import fresh_inductor_cache
@@ -568,22 +660,29 @@ def test_inductor_on_cuda_offloads_and_matches_torch(pipeline: bool, marked: lis
         expected, torch_held, torch_breaks = _cuda_step(
             torch_blocks, torch_checkpoint.checkpoint, pipeline
         )
-        got, matepoint_held, matepoint_breaks = _cuda_step(
-            matepoint_blocks, matepoint.checkpoint, pipeline
-        )
+        assert window_moves == []
+        with matepoint.options(max_inflight_bytes=max_inflight_bytes):
+            got, matepoint_held, matepoint_breaks = _cuda_step(
+                matepoint_blocks, matepoint.checkpoint, pipeline
+            )
     bitwise = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     print(
         f"\n[gpu] compiled (inductor), {depth} blocks of {block_input_bytes} bytes, held after "
-        f"forward: torch checkpoint {torch_held}, matepoint (pipeline={pipeline}) "
-        f"{matepoint_held}; gradients bitwise equal: {bitwise}; marked: {marked}"
+        f"forward: torch checkpoint {torch_held}, matepoint (pipeline={pipeline}, "
+        f"max_inflight_bytes={max_inflight_bytes}) {matepoint_held}; waits moved {window_moves}; "
+        f"gradients bitwise equal: {bitwise}; marked: {marked}"
     )
     assert (torch_breaks, matepoint_breaks) == (0, 0)
     # The first block's input is the compiled graph's own input (the caller holds it): the
     # other block inputs (the outputs of blocks 0 .. depth - 2) are marked.
     assert len(marked) == depth - 1
+    # The window moves every forward wait (to a later copy's start or to the end of forward);
+    # without the transfer stream, or with a bound of 0, torch's placement stays.
+    assert window_moves == ([depth - 1] if pipeline and max_inflight_bytes else [])
     # The same graph plus the copies: the kernels should be the same and the gradients bitwise
     # equal. The tolerance only allows for fusion changed around the copies; a different dropout
-    # mask in the recomputation would be off by far more.
+    # mask in the recomputation, or a block input overwritten before its copy ended, would be
+    # off by far more.
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     # torch keeps the block inputs it saves (depth - 1 of them, plus the output: depth x 16 MiB);

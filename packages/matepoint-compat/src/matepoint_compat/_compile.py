@@ -221,7 +221,7 @@ def install_joint_pass(own: _JointPass) -> None:
     config.enable_activation_offloading = True
 
 
-def compiled_offload_config(*, pipelined: bool) -> None:
+def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> None:
     """Choose how the partitioner moves the marked values, for the graph being compiled.
 
     ``pipelined``: copies on torch's transfer stream into pinned memory, backward's reloads moved
@@ -229,18 +229,27 @@ def compiled_offload_config(*, pipelined: bool) -> None:
     ``activation_reload_prefetch``); otherwise synchronous ``device_put`` copies on the compute
     stream. ``activation_offload_sink_wait`` stays off: it moves every forward wait to the end of
     the graph, which keeps every offloaded value on the device until forward ends (its own
-    docstring says so for whole-model compile), so peak memory would not drop. Without it the
-    compute stream waits for each copy right after starting it. These are process-wide torch
-    settings, read by the partitioner right after the joint pass; they act only on marked values.
-    On torch 2.11, choosing the transfer stream first mends its ``record_stream`` op
+    docstring says so for whole-model compile), so peak memory would not drop. Instead, with
+    ``max_inflight_bytes`` above 0, each forward wait moves only as far as that bound allows
+    (Note [The forward copy window] in ``matepoint_compat._forward_window``); at 0 the compute
+    stream waits for each copy right after starting it. These are process-wide torch settings,
+    read by the partitioner right after the joint pass; they act only on marked values. On torch
+    2.11, choosing the transfer stream first mends its ``record_stream`` op
     (:func:`_mend_stream_ops`).
+
+    Args:
+        pipelined: Copy on the transfer stream (else synchronously on the compute stream).
+        max_inflight_bytes: With ``pipelined``, the forward copy window's bound in bytes.
     """
+    from matepoint_compat._forward_window import set_forward_window
+
     config = _functorch_config()
     if pipelined:
         _mend_stream_ops()
     config.activation_offload_separate_stream = pipelined
     config.activation_offload_sink_wait = False
     config.activation_reload_prefetch = pipelined
+    set_forward_window(max_inflight_bytes if pipelined and max_inflight_bytes > 0 else None)
 
 
 def _is_tangent(node: torch.fx.Node) -> bool:

@@ -25,16 +25,18 @@ Note [The compiled path]
 
     What carries over from matepoint's options: ``min_offload_bytes`` and the keep rules (what
     stays on the device in eager mode stays there here too); ``pipeline`` chooses torch's
-    transfer stream and prefetched reloads, or synchronous copies (in forward the compute stream
-    still waits for each copy right after it starts: see
-    ``matepoint_compat.compiled_offload_config``). The device
-    settings (stash, look-ahead count, pool) have no effect: torch schedules and allocates the
-    copies. A region's choices are resolved when Dynamo traces it (changing the settings later
-    does not recompile) and go into torch's compile cache key through the checkpoint's
-    ``context_fn`` (``matepoint_compat.recompute_all_context_fn``), so a cached graph is never
-    reused for other choices; not for ``use_reentrant=True`` (torch's eager checkpoint, which
-    Dynamo falls back to when the body graph-breaks, refuses a ``context_fn`` there) nor when
-    the call brings its own ``context_fn``. ``matepoint.stats()`` does not count these copies.
+    transfer stream and prefetched reloads, or synchronous copies; with the stream,
+    ``max_inflight_bytes`` bounds the forward copies still running when a new one starts, as in
+    eager mode (Note [The forward copy window] in ``matepoint_compat._forward_window``: torch
+    alone makes the compute stream wait for each copy right after starting it). The other
+    device settings (stash, look-ahead count, pool) have no effect: torch schedules and
+    allocates the copies. A region's choices are resolved when Dynamo traces it (changing the
+    settings later does not recompile) and go into torch's compile cache key through the
+    checkpoint's ``context_fn`` (``matepoint_compat.recompute_all_context_fn``), so a cached
+    graph is never reused for other choices; not for ``use_reentrant=True`` (torch's eager
+    checkpoint, which Dynamo falls back to when the body graph-breaks, refuses a ``context_fn``
+    there) nor when the call brings its own ``context_fn``. ``matepoint.stats()`` does not
+    count these copies.
 """
 
 from __future__ import annotations
@@ -92,12 +94,16 @@ def checkpoint(
     reentrant = True if use_reentrant is None else bool(use_reentrant)
     # Raises for keywords the installed torch lacks, as the eager path does.
     with compat.adapt_checkpoint_kwargs(kwargs, use_reentrant=reentrant):
-        key, min_offload_bytes, pipelined = _resolve(
+        key, min_offload_bytes, pipelined, max_inflight_bytes = _resolve(
             call_min_offload_bytes, call_pipeline, pipeline
         )
         if not reentrant and "context_fn" not in kwargs:
             kwargs["context_fn"] = _CONTEXT_FNS[key]
-        annotation = {"min_offload_bytes": min_offload_bytes, "pipeline": pipelined}
+        annotation = {
+            "min_offload_bytes": min_offload_bytes,
+            "pipeline": pipelined,
+            "max_inflight_bytes": max_inflight_bytes,
+        }
 
         def region(*call_args: Any, **call_kwargs: Any) -> Any:
             with compat.annotate_offload(annotation):
@@ -109,13 +115,14 @@ def checkpoint(
 @compat.run_at_trace_time
 def _resolve(
     call_min_offload_bytes: int | None, call_pipeline: bool | None, pipeline: bool
-) -> tuple[str, int, bool]:
+) -> tuple[str, int, bool, int]:
     """Resolve a region's choices, as the eager path would, while Dynamo traces it.
 
     Installs the joint-graph pass (see Note [The compiled path]) and the region's context_fn.
 
     Returns:
-        The context_fn's key, the minimum size to move, and whether to pipeline.
+        The context_fn's key, the minimum size to move, whether to pipeline, and the forward
+        copy window's bound (the device's ``max_inflight_bytes``).
     """
     settings = get_options()
     min_offload_bytes = (
@@ -127,11 +134,12 @@ def _resolve(
     # The transport decides which devices offload (tests make the CPU one).
     key = (
         f"matepoint {compat.__version__} min_offload_bytes={min_offload_bytes} "
-        f"pipeline={pipelined} transport={type(transport()).__qualname__}"
+        f"pipeline={pipelined} max_inflight_bytes={settings.max_inflight_bytes} "
+        f"transport={type(transport()).__qualname__}"
     )
     if key not in _CONTEXT_FNS:
         _CONTEXT_FNS[key] = compat.recompute_all_context_fn(key)
-    return key, min_offload_bytes, pipelined
+    return key, min_offload_bytes, pipelined, settings.max_inflight_bytes
 
 
 def _offloads(value: torch.Tensor, min_offload_bytes: int) -> bool:
@@ -147,6 +155,7 @@ def _mark_saved_inputs(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.
     """The joint-graph pass: mark what the matepoint regions of this graph read from outside."""
     del joint_inputs
     pipelined = True
+    max_inflight_bytes: int | None = None
     marked = False
     for node, value, regions in compat.region_inputs(graph):
         wanted = [region for region in regions if _offloads(value, region["min_offload_bytes"])]
@@ -157,6 +166,10 @@ def _mark_saved_inputs(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.
             if marked_node is node or _offloads(marked_value, smallest):
                 compat.mark_for_offload(marked_node)
         marked = True
+        bounds = [region["max_inflight_bytes"] for region in wanted]
+        if max_inflight_bytes is not None:
+            bounds.append(max_inflight_bytes)
+        max_inflight_bytes = min(bounds)
         # A CPU "device" (the test transport) has no streams to overlap on.
         pipelined = (
             pipelined
@@ -164,5 +177,7 @@ def _mark_saved_inputs(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.
             and value.device.type != "cpu"
         )
     if marked:
-        compat.compiled_offload_config(pipelined=pipelined)
+        compat.compiled_offload_config(
+            pipelined=pipelined, max_inflight_bytes=max_inflight_bytes or 0
+        )
     return graph

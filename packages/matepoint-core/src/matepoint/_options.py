@@ -63,7 +63,9 @@ class OffloadSettings:
             one (look-ahead). ``0`` fetches each on demand. Default: ``2``.
         max_inflight_bytes: Device bytes whose copy to the host may still be running. When
             compute outruns the link, the host waits for the oldest copy so that device memory
-            stays bounded. Default: ``2 GiB``.
+            stays bounded. Under a whole-model compile (``compiled_offload``) it bounds the
+            forward's copies the same way, the compute stream waiting for the oldest; ``0``
+            there makes it wait for each copy right after starting it. Default: ``2 GiB``.
         pool_cap_bytes: Most pinned host memory the pool of one device may hold; ``None`` means
             no cap. Default: ``None``.
         on_pool_exhausted: What to do when the cap is reached or pinned allocation fails:
@@ -74,10 +76,9 @@ class OffloadSettings:
             time it waited for copies back (``compute_wait_seconds``). Default: ``True``.
         compiled_offload: Experimental. Under a whole-model ``torch.compile`` (torch 2.11 and
             newer), trace each checkpoint without a graph break and let the compiler copy its
-            saved inputs to the host (see Note [The compiled path] in ``matepoint._compiled``);
-            before torch 2.13 the copies are synchronous. Off: the compiled model breaks the
-            graph at each checkpoint, which runs eagerly with matepoint's engine. Off by
-            default while it is experimental. Default: ``False``.
+            saved inputs to the host (see Note [The compiled path] in ``matepoint._compiled``).
+            Off: the compiled model breaks the graph at each checkpoint, which runs eagerly with
+            matepoint's engine. Off by default while it is experimental. Default: ``False``.
 
     Raises:
         ValueError: If a count is not an ``int >= 0`` (a ``bool`` is refused), if

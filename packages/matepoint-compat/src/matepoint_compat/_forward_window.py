@@ -1,0 +1,223 @@
+"""Let a compiled forward's copies to the host run on under compute, within a byte bound.
+
+Note [The forward copy window]
+    torch's compiled activation offloading, on its transfer stream, makes the compute stream
+    wait for each copy right after starting it; its other placement,
+    ``activation_offload_sink_wait``, moves every wait to the end of the forward, which keeps
+    every offloaded value on the device until then (no device memory saved by a whole-model
+    compile). matepoint's eager engine bounds the copies in flight by bytes
+    (``max_inflight_bytes``); this does the same to a compiled forward. Walking the copies in
+    graph order, a copy's wait moves to just before the start of the first later copy that
+    would put more than ``max_inflight_bytes`` in flight (oldest first), and the waits still
+    pending at the end go just before the forward returns, so everything the forward hands to
+    backward is on the host by then. A copy larger than the bound on its own keeps torch's
+    placement.
+
+    Lifetime: the value being copied must stay on the device until the compute stream has
+    waited for its copy. torch 2.12+'s ``ao::wait_tensor`` takes it as a keep-alive argument.
+    torch 2.11's stream ops do not: its ``record_stream`` before the copy covers the caching
+    allocator, but not a compiler reusing the freed buffer in place for a later kernel. So a
+    moved 2.11 wait is preceded by a second ``record_stream`` of the value, which makes the value
+    live until there in every backend's lifetime analysis.
+
+    Where: torch's partitioner calls ``enable_activation_offloading`` (looked up in its module at
+    each call) right after matepoint's joint-graph pass has marked the values; the wrapper
+    installed here runs it, then moves the waits of that one forward graph when matepoint asked
+    for a window while marking it. A graph whose copies do not have the shape expected of the
+    installed torch keeps torch's placement (correct, only slower), with a warning.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from matepoint_compat._compile import nbytes_hint
+
+__all__ = ["bound_forward_waits", "set_forward_window"]
+
+_OFFLOAD_PREFIX = "cpu_offload_"
+
+
+@dataclass
+class _Copy:
+    """One copy of a forward value to the host, as torch's offloading put it in the graph."""
+
+    start: torch.fx.Node
+    wait: torch.fx.Node
+    value: torch.fx.Node
+    nbytes: int
+    keep_alive: Callable[[], None] | None
+
+
+class _UnexpectedShape(Exception):
+    """The copies in a forward graph are not laid out as the installed torch lays them out."""
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    schema = getattr(node.target, "_schema", None)
+    return "" if node.op != "call_function" or schema is None else str(schema.name)
+
+
+def _value_bytes(node: torch.fx.Node) -> int:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        raise _UnexpectedShape(f"copied value {node.name} has no tensor metadata")
+    return nbytes_hint(value)
+
+
+def _async_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
+    """torch 2.12+: ``ao::offload(value)`` then ``ao::wait_tensor(offload, value)``."""
+    copies = []
+    for node in nodes:
+        if _op_name(node) != "ao::wait_tensor":
+            continue
+        offload = node.args[0]
+        if not isinstance(offload, torch.fx.Node) or _op_name(offload) != "ao::offload":
+            continue
+        value = offload.args[0]
+        if not isinstance(value, torch.fx.Node) or node.args[1:2] != (value,):
+            raise _UnexpectedShape(f"{node.name} does not keep its copied value alive")
+        copies.append(_Copy(offload, node, value, _value_bytes(value), None))
+    return copies
+
+
+_STREAM_PATTERN = (
+    "streams::record_event",
+    "streams::fork",
+    "streams::wait_event",
+    "streams::record_stream",
+    "prims::device_put",
+    "streams::record_event",
+    "streams::join",
+    "streams::wait_event",
+)
+"""torch 2.11's nodes around one forward copy (``add_forward_offload_stream_ops``)."""
+
+
+def _record_stream_before(
+    graph: torch.fx.Graph, record_stream: torch.fx.Node, wait: torch.fx.Node
+) -> None:
+    """Insert, before ``wait``, another ``record_stream`` of what ``record_stream`` records."""
+    with graph.inserting_before(wait):
+        graph.call_function(record_stream.target, record_stream.args)  # type: ignore[arg-type]
+
+
+def _stream_copies(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> list[_Copy]:
+    """torch 2.11: the copy sits at index 4 of ``_STREAM_PATTERN``; the last node is its wait."""
+    copies = []
+    for index, node in enumerate(nodes):
+        if _op_name(node) != "prims::device_put" or not node.name.startswith(_OFFLOAD_PREFIX):
+            continue
+        group = nodes[max(index - 4, 0) : index + 4]
+        if tuple(_op_name(member) for member in group) != _STREAM_PATTERN:
+            raise _UnexpectedShape(f"the stream ops around {node.name} are not torch 2.11's")
+        record_stream, wait = group[3], group[7]
+        value = node.args[0]
+        if not isinstance(value, torch.fx.Node) or record_stream.args[0] is not value:
+            raise _UnexpectedShape(f"{record_stream.name} does not name what {node.name} copies")
+        keep_alive = functools.partial(_record_stream_before, graph, record_stream, wait)
+        copies.append(_Copy(group[0], wait, value, _value_bytes(value), keep_alive))
+    return copies
+
+
+def _move_wait(copy: _Copy, before: torch.fx.Node) -> None:
+    before.prepend(copy.wait)
+    if copy.keep_alive is not None:
+        copy.keep_alive()
+
+
+def bound_forward_waits(graph: torch.fx.Graph, max_inflight_bytes: int) -> int:
+    """Move the waits for a forward graph's host copies later, within ``max_inflight_bytes``.
+
+    See Note [The forward copy window]. Either every wait moves as the note says, or (on a graph
+    whose copies are not laid out as the installed torch lays them out) none does.
+
+    Args:
+        graph: A partitioned forward graph, after torch's activation offloading put its copies
+            (on the transfer stream) in it.
+        max_inflight_bytes: Most bytes of copied values whose copies may still be running when
+            a new copy starts; ``0`` keeps torch's placement.
+
+    Returns:
+        How many waits moved. A graph left as it is gets a ``RuntimeWarning`` naming what was
+        unexpected.
+    """
+    if max_inflight_bytes <= 0:
+        return 0
+    nodes = list(graph.nodes)
+    try:
+        copies = _async_copies(nodes) + _stream_copies(graph, nodes)
+    except _UnexpectedShape as error:
+        warnings.warn(
+            f"matepoint: the compiled forward's copies to the host keep torch's placement (the "
+            f"compute stream waits for each right after it starts): {error}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return 0
+    order = {node: index for index, node in enumerate(nodes)}
+    copies.sort(key=lambda copy: order[copy.start])
+    pending: collections.deque[_Copy] = collections.deque()
+    in_flight = 0
+    moved = 0
+    for copy in copies:
+        while pending and in_flight + copy.nbytes > max_inflight_bytes:
+            oldest = pending.popleft()
+            in_flight -= oldest.nbytes
+            _move_wait(oldest, copy.start)
+            moved += 1
+        if copy.nbytes <= max_inflight_bytes:
+            pending.append(copy)
+            in_flight += copy.nbytes
+    output = next(node for node in reversed(nodes) if node.op == "output")
+    for copy in pending:
+        _move_wait(copy, output)
+        moved += 1
+    return moved
+
+
+class _Pending:
+    """The window matepoint asked for the forward graph being partitioned now, if any."""
+
+    max_inflight_bytes: int | None = None
+
+
+def _wrap(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def enable_activation_offloading(
+        fwd_module: torch.fx.GraphModule, *args: Any, **kwargs: Any
+    ) -> None:
+        window, _Pending.max_inflight_bytes = _Pending.max_inflight_bytes, None
+        original(fwd_module, *args, **kwargs)
+        if window is not None and bound_forward_waits(fwd_module.graph, window):
+            fwd_module.graph.lint()
+            fwd_module.recompile()
+
+    enable_activation_offloading.matepoint_window = True  # type: ignore[attr-defined]
+    return enable_activation_offloading
+
+
+def set_forward_window(max_inflight_bytes: int | None) -> None:
+    """Ask for a forward copy window on the graph whose joint pass is running now.
+
+    Called from matepoint's joint-graph pass, which runs right before the partitioner of the same
+    graph calls torch's ``enable_activation_offloading``; that call (wrapped here, once per
+    process) takes the request and clears it, so it never reaches another graph. See Note [The
+    forward copy window].
+
+    Args:
+        max_inflight_bytes: The bound, or ``None`` for torch's placement.
+    """
+    from torch._functorch._activation_offloading import activation_offloading
+
+    module: Any = activation_offloading
+    if not getattr(module.enable_activation_offloading, "matepoint_window", False):
+        module.enable_activation_offloading = _wrap(module.enable_activation_offloading)
+    _Pending.max_inflight_bytes = max_inflight_bytes
