@@ -121,30 +121,42 @@ def test_torchs_placement_waits_for_each_copy_right_after_it() -> None:
 
 @pytest.mark.usefixtures("numbered_streams")
 @pytest.mark.parametrize(
-    ("sizes", "bound", "moved", "waits"),
+    ("sizes", "bound", "copies", "moved", "waits"),
     [
+        # The default: one copy runs on; each wait goes before the next start.
+        ([25] * 5, 1 << 30, 1, 4, [("before", 1), ("before", 2), ("before", 3), "end"]),
         # 100 bytes each, 250 in flight: two copies run on; the third start waits for the oldest.
-        ([25] * 5, 250, 4, [("before", 2), ("before", 3), "end", "end"]),
+        ([25] * 5, 250, 4, 4, [("before", 2), ("before", 3), "end", "end"]),
+        # Two copies at most, whatever their bytes.
+        ([25] * 5, 1 << 30, 2, 4, [("before", 2), ("before", 3), "end", "end"]),
         # Everything fits: every wait goes to the end (what torch's sink does, bounded).
-        ([25] * 5, 1 << 30, 4, ["end"] * 4),
-        # Exactly one copy fits: each wait goes before the next start.
-        ([25] * 5, 100, 4, [("before", 1), ("before", 2), ("before", 3), "end"]),
+        ([25] * 5, 1 << 30, 8, 4, ["end"] * 4),
+        # Exactly one copy's bytes fit: each wait goes before the next start.
+        ([25] * 5, 100, 4, 4, [("before", 1), ("before", 2), ("before", 3), "end"]),
         # A copy larger than the bound alone keeps torch's placement; the one before it must be
         # done before it starts.
-        ([25, 100, 25, 25], 250, 2, [("before", 1), ("after", 1), "end"]),
+        ([25, 100, 25, 25], 250, 4, 2, [("before", 1), ("after", 1), "end"]),
         # Bound 0: torch's placement.
-        ([25] * 5, 0, 0, [("after", i) for i in range(4)]),
+        ([25] * 5, 0, 4, 0, [("after", i) for i in range(4)]),
     ],
-    ids=["two-in-flight", "all-fit", "one-fits", "one-too-large", "zero"],
+    ids=[
+        "default",
+        "two-by-bytes",
+        "two-by-count",
+        "all-fit",
+        "one-by-bytes",
+        "one-too-large",
+        "zero",
+    ],
 )
-def test_waits_move_as_far_as_the_bound_allows(
-    sizes: list[int], bound: int, moved: int, waits: list[Any]
+def test_waits_move_as_far_as_the_bounds_allow(
+    sizes: list[int], bound: int, copies: int, moved: int, waits: list[Any]
 ) -> None:
     graph, _ = forward_graph(sizes)
-    copies = copies_of(graph)
-    assert compat.bound_forward_waits(graph, bound) == moved
+    copied = copies_of(graph)
+    assert compat.bound_forward_waits(graph, bound, copies) == moved
     graph.lint()
-    result = layout(graph, copies)
+    result = layout(graph, copied)
     assert result["waits"] == waits
     # Every copied value stays alive (in the graph's own lifetime) until its copy is waited for.
     assert all(result["kept_alive"])

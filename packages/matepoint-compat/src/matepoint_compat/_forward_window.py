@@ -5,13 +5,22 @@ Note [The forward copy window]
     wait for each copy right after starting it; its other placement,
     ``activation_offload_sink_wait``, moves every wait to the end of the forward, which keeps
     every offloaded value on the device until then (no device memory saved by a whole-model
-    compile). matepoint's eager engine bounds the copies in flight by bytes
+    compile). matepoint's eager engine lets copies run on under compute, bounded by bytes
     (``max_inflight_bytes``); this does the same to a compiled forward. Walking the copies in
     graph order, a copy's wait moves to just before the start of the first later copy that
-    would put more than ``max_inflight_bytes`` in flight (oldest first), and the waits still
-    pending at the end go just before the forward returns, so everything the forward hands to
-    backward is on the host by then. A copy larger than the bound on its own keeps torch's
-    placement.
+    would put more than ``max_inflight_bytes``, or more than ``copies_in_flight`` copies, in
+    flight (oldest first), and the waits still pending at the end go just before the forward
+    returns, so everything the forward hands to backward is on the host by then. A copy larger
+    than the bound on its own keeps torch's placement.
+
+    Why one copy in flight by default (``COPIES_IN_FLIGHT``): the placement is static, so a
+    value stays on the device until its wait is reached even when its copy ended long before
+    (the eager engine frees it when the copy ends). The copies share one transfer stream, so
+    letting a copy run under the next block's compute is what overlaps them; more copies
+    pending only hold more memory. Measured on an H200 (torch 2.11, 16 blocks of width 1024,
+    8,192 tokens, bf16, 10 paired rounds, step time of torch's checkpoint under compile): one
+    copy in flight 1.122, two 1.133, every wait at the end of forward 1.136, torch's placement
+    1.365.
 
     Lifetime: the value being copied must stay on the device until the compute stream has
     waited for its copy. torch 2.12+'s ``ao::wait_tensor`` takes it as a keep-alive argument.
@@ -40,7 +49,7 @@ import torch
 
 from matepoint_compat._compile import nbytes_hint
 
-__all__ = ["bound_forward_waits", "set_forward_window"]
+__all__ = ["COPIES_IN_FLIGHT", "bound_forward_waits", "set_forward_window"]
 
 _OFFLOAD_PREFIX = "cpu_offload_"
 
@@ -133,8 +142,14 @@ def _move_wait(copy: _Copy, before: torch.fx.Node) -> None:
         copy.keep_alive()
 
 
-def bound_forward_waits(graph: torch.fx.Graph, max_inflight_bytes: int) -> int:
-    """Move the waits for a forward graph's host copies later, within ``max_inflight_bytes``.
+COPIES_IN_FLIGHT = 1
+"""How many forward copies may run on under compute (see Note [The forward copy window])."""
+
+
+def bound_forward_waits(
+    graph: torch.fx.Graph, max_inflight_bytes: int, copies_in_flight: int = COPIES_IN_FLIGHT
+) -> int:
+    """Move the waits for a forward graph's host copies later, within the window's bounds.
 
     See Note [The forward copy window]. Either every wait moves as the note says, or (on a graph
     whose copies are not laid out as the installed torch lays them out) none does.
@@ -144,12 +159,13 @@ def bound_forward_waits(graph: torch.fx.Graph, max_inflight_bytes: int) -> int:
             (on the transfer stream) in it.
         max_inflight_bytes: Most bytes of copied values whose copies may still be running when
             a new copy starts; ``0`` keeps torch's placement.
+        copies_in_flight: Most copies that may still be running when a new copy starts.
 
     Returns:
         How many waits moved. A graph left as it is gets a ``RuntimeWarning`` naming what was
         unexpected.
     """
-    if max_inflight_bytes <= 0:
+    if max_inflight_bytes <= 0 or copies_in_flight <= 0:
         return 0
     nodes = list(graph.nodes)
     try:
@@ -168,7 +184,9 @@ def bound_forward_waits(graph: torch.fx.Graph, max_inflight_bytes: int) -> int:
     in_flight = 0
     moved = 0
     for copy in copies:
-        while pending and in_flight + copy.nbytes > max_inflight_bytes:
+        while pending and (
+            in_flight + copy.nbytes > max_inflight_bytes or len(pending) >= copies_in_flight
+        ):
             oldest = pending.popleft()
             in_flight -= oldest.nbytes
             _move_wait(oldest, copy.start)
