@@ -231,6 +231,8 @@ def _measure(
         synchronize(device)
         if compiled and index == 0:  # the compile step: how long compiling took
             out["compile_step_s"] = time.perf_counter() - t0
+            if isinstance(built.loss, CompiledForward):
+                built.loss.end_compile_step()
 
     reset_peak(device)
     base_alloc = allocated_bytes(device)

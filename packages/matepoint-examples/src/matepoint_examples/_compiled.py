@@ -45,6 +45,7 @@ from torch import Tensor
 
 import matepoint
 import matepoint_compat
+from matepoint_examples._compile_caches import CompileStepCaches
 
 __all__ = [
     "TORCH_COMPILED_OFFLOAD",
@@ -290,19 +291,6 @@ def _dynamo_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-_CACHE_OUTCOMES = ("hit", "miss", "saved", "bypass")
-
-
-def _autograd_cache_counts() -> dict[str, int]:
-    """AOTAutograd's compile-cache lookups and saves in this process so far, by outcome."""
-    from torch._dynamo.utils import counters
-
-    return {
-        outcome: counters["aot_autograd"][f"autograd_cache_{outcome}"]
-        for outcome in _CACHE_OUTCOMES
-    }
-
-
 class CompiledForward:
     """One strategy's compiled forward of one model: ``loss`` under ``torch.compile``.
 
@@ -338,24 +326,25 @@ class CompiledForward:
         self.graphs = 0
         self.graphs_after_first_call = 0
         self.graph_breaks = 0
-        self._cache_counts_before: dict[str, int] | None = None
-        self.autograd_cache: str | None = None
+        self.caches = CompileStepCaches()
 
-    def _settle_autograd_cache(self) -> None:
-        """Say what AOTAutograd's cache did from the first call until now (once)."""
-        if self._cache_counts_before is None or self.autograd_cache is not None:
-            return
-        before = self._cache_counts_before
-        outcomes = [name for name, n in _autograd_cache_counts().items() if n > before[name]]
-        self.autograd_cache = "+".join(outcomes) or "not used"
+    def end_compile_step(self) -> None:
+        """Say what the compile caches did from the first call until now (once).
+
+        Call it when the compile step (the first forward and its backward) is over, before
+        another strategy compiles: the counts and logged reasons are the process's, so a step
+        settled later would take in the other strategy's. The next call settles a step not
+        ended this way.
+        """
+        self.caches.end()
 
     def __call__(self) -> Tensor:
         """Run one forward through the compiled copy (compiling it on the first call)."""
         graphs, breaks = _dynamo_counts()
         if self.calls == 0:
-            self._cache_counts_before = _autograd_cache_counts()
+            self.caches.start()
         else:  # the compile step (first forward and its backward) is over
-            self._settle_autograd_cache()
+            self.end_compile_step()
         t0 = time.perf_counter()
         with _functorch_config().patch(self.settings):
             out: Tensor = self.compiled(self.loss)
@@ -372,13 +361,13 @@ class CompiledForward:
     def report(self) -> dict[str, Any]:
         """Return what the compiler did for this strategy (JSON-ready).
 
-        ``autograd_cache`` says what AOTAutograd's on-disk cache did in the compile step (the
-        first forward and its backward, which compiles lazily): ``hit`` (the joint pass and the
-        partitioner did not run in this process, so a strategy's marks count 0), ``miss+saved``
-        (compiled and stored, for the next process), ``miss`` alone (compiled, not stored),
-        ``bypass`` (not cacheable), or ``not used``.
+        Besides the graph counts: what the compile caches did in the compile step (the first
+        forward and its backward, which compiles lazily; ended by :meth:`end_compile_step`), as
+        :class:`~matepoint_examples._compile_caches.CompileStepCaches` says. An AOTAutograd
+        ``hit`` means the joint pass and the partitioner did not run in this process, so a
+        strategy's marks count 0.
         """
-        self._settle_autograd_cache()
+        self.end_compile_step()
         info: dict[str, Any] = {
             "backend": self.backend,
             "calls": self.calls,
@@ -386,7 +375,7 @@ class CompiledForward:
             "graphs": self.graphs,
             "graph_breaks": self.graph_breaks,
             "graphs_after_first_forward": self.graphs_after_first_call,
-            "autograd_cache": self.autograd_cache,
+            **self.caches.report(),
         }
         if self.spec.report is not None:
             info.update(self.spec.report())

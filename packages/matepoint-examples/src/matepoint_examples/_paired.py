@@ -342,6 +342,9 @@ def _rounds(
             except Exception as exc:
                 failure = ("error", f"{type(exc).__name__}: {exc}"[:500])
                 rows[name]["traceback"] = traceback.format_exc()[-4000:]
+            compiled_loss = runs[name].loss
+            if index == 0 and isinstance(compiled_loss, CompiledForward):
+                compiled_loss.end_compile_step()  # before the next strategy compiles
             if failure is not None:
                 rows[name].update(status=failure[0], note=failure[1])
                 optimizer.zero_grad(set_to_none=True)
