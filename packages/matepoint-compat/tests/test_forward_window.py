@@ -108,7 +108,9 @@ def layout(graph: torch.fx.Graph, copies: list[Any]) -> dict[str, Any]:
             places.append(("after", number))
         last_use = max(index[user] for user in copy.value.users)
         kept.append(all(_is_stream_op(nodes[i]) for i in range(last_use + 1, wait)))
-    return {"waits": places, "kept_alive": kept}
+    # torch 2.11: the value is taken by a node before the event the transfer stream waits on.
+    realized = [copy.realize is None or index[copy.realize] < index[copy.start] for copy in copies]
+    return {"waits": places, "kept_alive": kept, "realized_before_start": realized}
 
 
 @pytest.mark.usefixtures("numbered_streams")
@@ -160,6 +162,8 @@ def test_waits_move_as_far_as_the_bounds_allow(
     assert result["waits"] == waits
     # Every copied value stays alive (in the graph's own lifetime) until its copy is waited for.
     assert all(result["kept_alive"])
+    # And is computed before the transfer stream's wait, whatever the bounds (torch 2.11).
+    assert all(result["realized_before_start"])
 
 
 @pytest.mark.usefixtures("numbered_streams")
@@ -209,7 +213,7 @@ def test_a_window_asked_for_reaches_only_the_next_graph(fake_offloading: list[in
     assert fake_offloading == [1234]
 
 
-def test_the_config_asks_for_the_window_only_with_the_transfer_stream(
+def test_the_config_asks_for_the_window_with_the_transfer_stream_only(
     fake_offloading: list[int],
 ) -> None:
     import torch._functorch.config as config
@@ -227,7 +231,9 @@ def test_the_config_asks_for_the_window_only_with_the_transfer_stream(
         for pipelined, bound in [(False, 4096), (True, 0), (True, 4096)]:
             compat.compiled_offload_config(pipelined=pipelined, max_inflight_bytes=bound)
             _offloading_module().enable_activation_offloading(forward, None, 0, set())
-        assert fake_offloading == [4096]
+        # Synchronous copies: torch's graph as it is; with the stream, bound 0 too (torch's
+        # placement, with 2.11's copies made safe).
+        assert fake_offloading == [0, 4096]
     finally:
         for name, value in saved.items():
             setattr(config, name, value)

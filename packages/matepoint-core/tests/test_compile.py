@@ -677,9 +677,9 @@ def test_inductor_on_cuda_offloads_and_matches_torch(
     # other block inputs (the outputs of blocks 0 .. depth - 2) are marked.
     assert len(marked) == depth - 1
     # The window moves every forward wait (each to the next copy's start, the last to the end of
-    # forward); none where each copy is larger than the bound; it is not asked for without the
-    # transfer stream or with a bound of 0 (torch's placement).
-    if not pipeline or not max_inflight_bytes:
+    # forward); none where each copy is larger than the bound, or with a bound of 0 (torch's
+    # placement); it is not asked for without the transfer stream.
+    if not pipeline:
         assert window_moves == []
     else:
         assert window_moves == [depth - 1 if max_inflight_bytes >= block_input_bytes else 0]

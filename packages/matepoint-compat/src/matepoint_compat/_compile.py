@@ -249,7 +249,7 @@ def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> 
     config.activation_offload_separate_stream = pipelined
     config.activation_offload_sink_wait = False
     config.activation_reload_prefetch = pipelined
-    set_forward_window(max_inflight_bytes if pipelined and max_inflight_bytes > 0 else None)
+    set_forward_window(max_inflight_bytes if pipelined else None)
 
 
 def _is_tangent(node: torch.fx.Node) -> bool:

@@ -29,6 +29,15 @@ Note [The forward copy window]
     moved 2.11 wait is preceded by a second ``record_stream`` of the value, which makes the value
     live until there in every backend's lifetime analysis.
 
+    Ordering on torch 2.11: its stream ops carry no data dependencies, and inductor emits a
+    pointwise kernel where its result is first needed (lazy realization), which may be after
+    the compute stream's event that the transfer stream waits on before copying (seen in
+    inductor's generated code: a block's residual add emitted between ``fork`` and ``join``).
+    A copied value first needed by the copy itself would then be copied before it is computed.
+    So its ``record_stream``, which takes the value and so realizes it, moves to just before
+    that event: the value is computed before the event, whatever the window. torch 2.12+'s
+    ``ao::offload`` takes the value as an argument and orders its copy itself.
+
     Where: torch's partitioner calls ``enable_activation_offloading`` (looked up in its module at
     each call) right after matepoint's joint-graph pass has marked the values; the wrapper
     installed here runs it, then moves the waits of that one forward graph when matepoint asked
@@ -63,6 +72,7 @@ class _Copy:
     value: torch.fx.Node
     nbytes: int
     keep_alive: Callable[[], None] | None
+    realize: torch.fx.Node | None = None
 
 
 class _UnexpectedShape(Exception):
@@ -132,7 +142,9 @@ def _stream_copies(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> list[_C
         if not isinstance(value, torch.fx.Node) or record_stream.args[0] is not value:
             raise _UnexpectedShape(f"{record_stream.name} does not name what {node.name} copies")
         keep_alive = functools.partial(_record_stream_before, graph, record_stream, wait)
-        copies.append(_Copy(group[0], wait, value, _value_bytes(value), keep_alive))
+        copies.append(
+            _Copy(group[0], wait, value, _value_bytes(value), keep_alive, realize=record_stream)
+        )
     return copies
 
 
@@ -152,7 +164,9 @@ def bound_forward_waits(
     """Move the waits for a forward graph's host copies later, within the window's bounds.
 
     See Note [The forward copy window]. Either every wait moves as the note says, or (on a graph
-    whose copies are not laid out as the installed torch lays them out) none does.
+    whose copies are not laid out as the installed torch lays them out) none does. On torch
+    2.11's layout each copied value is also made to be computed before the transfer stream's
+    wait (the note's "Ordering"), whatever the bounds.
 
     Args:
         graph: A partitioned forward graph, after torch's activation offloading put its copies
@@ -165,8 +179,6 @@ def bound_forward_waits(
         How many waits moved. A graph left as it is gets a ``RuntimeWarning`` naming what was
         unexpected.
     """
-    if max_inflight_bytes <= 0 or copies_in_flight <= 0:
-        return 0
     nodes = list(graph.nodes)
     try:
         copies = _async_copies(nodes) + _stream_copies(graph, nodes)
@@ -177,6 +189,11 @@ def bound_forward_waits(
             RuntimeWarning,
             stacklevel=2,
         )
+        return 0
+    for copy in copies:
+        if copy.realize is not None:
+            copy.start.prepend(copy.realize)
+    if max_inflight_bytes <= 0 or copies_in_flight <= 0:
         return 0
     order = {node: index for index, node in enumerate(nodes)}
     copies.sort(key=lambda copy: order[copy.start])
@@ -214,7 +231,8 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
     ) -> None:
         window, _Pending.max_inflight_bytes = _Pending.max_inflight_bytes, None
         original(fwd_module, *args, **kwargs)
-        if window is not None and bound_forward_waits(fwd_module.graph, window):
+        if window is not None:
+            bound_forward_waits(fwd_module.graph, window)
             fwd_module.graph.lint()
             fwd_module.recompile()
 
@@ -231,7 +249,8 @@ def set_forward_window(max_inflight_bytes: int | None) -> None:
     forward copy window].
 
     Args:
-        max_inflight_bytes: The bound, or ``None`` for torch's placement.
+        max_inflight_bytes: The bound (``0``: torch's placement, with 2.11's copies made safe),
+            or ``None`` to leave torch's graph as it is (synchronous copies).
     """
     from torch._functorch._activation_offloading import activation_offloading
 
