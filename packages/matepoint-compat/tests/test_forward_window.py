@@ -208,9 +208,11 @@ def test_a_window_asked_for_reaches_only_the_next_graph(fake_offloading: list[in
     assert wrapped.matepoint_window
     compat.set_forward_window(1234)  # wraps torch's function once only
     assert module.enable_activation_offloading is wrapped
+    graphs = compat.FORWARD_WINDOW_COUNTS.graphs
     wrapped(forward, None, 0, set())
     wrapped(forward, None, 0, set())
     assert fake_offloading == [1234]
+    assert compat.FORWARD_WINDOW_COUNTS.graphs == graphs + 1
 
 
 def test_the_config_asks_for_the_window_with_the_transfer_stream_only(

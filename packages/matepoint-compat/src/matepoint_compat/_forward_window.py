@@ -58,7 +58,13 @@ import torch
 
 from matepoint_compat._compile import nbytes_hint
 
-__all__ = ["COPIES_IN_FLIGHT", "bound_forward_waits", "set_forward_window"]
+__all__ = [
+    "COPIES_IN_FLIGHT",
+    "FORWARD_WINDOW_COUNTS",
+    "ForwardWindowCounts",
+    "bound_forward_waits",
+    "set_forward_window",
+]
 
 _OFFLOAD_PREFIX = "cpu_offload_"
 
@@ -148,6 +154,15 @@ def _stream_copies(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> list[_C
     return copies
 
 
+def _copies_or_none(graph: torch.fx.Graph) -> list[_Copy]:
+    """The graph's copies, or none where their layout is unexpected (bound_forward_waits warns)."""
+    nodes = list(graph.nodes)
+    try:
+        return _async_copies(nodes) + _stream_copies(graph, nodes)
+    except _UnexpectedShape:
+        return []
+
+
 def _move_wait(copy: _Copy, before: torch.fx.Node) -> None:
     before.prepend(copy.wait)
     if copy.keep_alive is not None:
@@ -218,6 +233,25 @@ def bound_forward_waits(
     return moved
 
 
+@dataclass
+class ForwardWindowCounts:
+    """What the forward copy window did in this process (for reports and tests).
+
+    Args:
+        graphs: Forward graphs matepoint asked a window for.
+        copies: Copies to the host found in them.
+        waits_moved: Waits moved later (see Note [The forward copy window]).
+    """
+
+    graphs: int = 0
+    copies: int = 0
+    waits_moved: int = 0
+
+
+FORWARD_WINDOW_COUNTS = ForwardWindowCounts()
+"""The process's running counts (reset by assigning fresh values to the fields)."""
+
+
 class _Pending:
     """The window matepoint asked for the forward graph being partitioned now, if any."""
 
@@ -232,7 +266,9 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         window, _Pending.max_inflight_bytes = _Pending.max_inflight_bytes, None
         original(fwd_module, *args, **kwargs)
         if window is not None:
-            bound_forward_waits(fwd_module.graph, window)
+            FORWARD_WINDOW_COUNTS.graphs += 1
+            FORWARD_WINDOW_COUNTS.copies += len(_copies_or_none(fwd_module.graph))
+            FORWARD_WINDOW_COUNTS.waits_moved += bound_forward_waits(fwd_module.graph, window)
             fwd_module.graph.lint()
             fwd_module.recompile()
 

@@ -119,9 +119,19 @@ def _matepoint_compiled_session(device: torch.device) -> Iterator[None]:
 
 
 def _matepoint_compiled_report() -> dict[str, Any]:
-    """Say whether matepoint's compiled path was taken (its session switches it on)."""
+    """Say whether matepoint's compiled path was taken, and what its forward copy window did.
+
+    The window counts are the process's (graphs asked for, copies found, waits moved later; see
+    Note [The forward copy window] in ``matepoint_compat._forward_window``).
+    """
     taken = matepoint_compat.COMPILED_OFFLOAD
-    return {"matepoint_path": "compiled" if taken else "eager, graph breaks"}
+    info: dict[str, Any] = {"matepoint_path": "compiled" if taken else "eager, graph breaks"}
+    if taken:
+        counts = matepoint_compat.FORWARD_WINDOW_COUNTS
+        info["forward_window"] = (
+            f"{counts.waits_moved} of {counts.copies} waits moved in {counts.graphs} graphs"
+        )
+    return info
 
 
 def _torch_offload_report() -> dict[str, Any]:
