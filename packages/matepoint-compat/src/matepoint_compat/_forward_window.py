@@ -20,7 +20,9 @@ Note [The forward copy window]
     pending only hold more memory. Measured on an H200 (torch 2.11, 16 blocks of width 1024,
     8,192 tokens, bf16, 10 paired rounds, step time of torch's checkpoint under compile): one
     copy in flight 1.122, two 1.133, every wait at the end of forward 1.136, torch's placement
-    1.365.
+    1.365. On the benchmark's transformer workloads the window did not shorten the forward
+    (docs/benchmarks.md, compile-era peers): there the forward copies cost what synchronous ones
+    do, for a reason not yet found.
 
     Lifetime: the value being copied must stay on the device until the compute stream has
     waited for its copy. torch 2.12+'s ``ao::wait_tensor`` takes it as a keep-alive argument.
@@ -43,6 +45,10 @@ Note [The forward copy window]
     installed here runs it, then moves the waits of that one forward graph when matepoint asked
     for a window while marking it. A graph whose copies do not have the shape expected of the
     installed torch keeps torch's placement (correct, only slower), with a warning.
+
+    The 2.11 parts (``_stream_copies``: the keep-alive and the moved ``record_stream``) can go
+    when torch 2.12 is the oldest release the compiled path supports (gate
+    ``TORCH_2_12_PLUS``); the window itself stays as long as torch places the waits as above.
 """
 
 from __future__ import annotations
