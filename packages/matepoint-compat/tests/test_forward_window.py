@@ -197,7 +197,7 @@ def fake_offloading(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         lambda graph, bound: seen.append(bound) or 0,
     )
     yield seen
-    _forward_window._Pending.max_inflight_bytes = None
+    _forward_window._PENDING.max_inflight_bytes = None
 
 
 def test_a_window_asked_for_reaches_only_the_next_graph(fake_offloading: list[int]) -> None:
@@ -213,6 +213,27 @@ def test_a_window_asked_for_reaches_only_the_next_graph(fake_offloading: list[in
     wrapped(forward, None, 0, set())
     assert fake_offloading == [1234]
     assert compat.FORWARD_WINDOW_COUNTS.graphs == graphs + 1
+
+
+def test_a_window_asked_for_in_one_thread_does_not_reach_another(
+    fake_offloading: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    module = _offloading_module()
+    reached: list[torch.fx.Graph] = []
+    monkeypatch.setattr(
+        _forward_window, "bound_forward_waits", lambda graph, bound: reached.append(graph) or 0
+    )
+    mine, theirs = (torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()) for _ in range(2))
+    compat.set_forward_window(1234)
+    other = threading.Thread(
+        target=module.enable_activation_offloading, args=(theirs, None, 0, set())
+    )
+    other.start()
+    other.join()
+    module.enable_activation_offloading(mine, None, 0, set())
+    assert reached == [mine.graph]  # the graph of the thread that asked
 
 
 def test_the_config_asks_for_the_window_with_the_transfer_stream_only(

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -258,10 +259,16 @@ FORWARD_WINDOW_COUNTS = ForwardWindowCounts()
 """The process's running counts (reset by assigning fresh values to the fields)."""
 
 
-class _Pending:
-    """The window matepoint asked for the forward graph being partitioned now, if any."""
+class _Pending(threading.local):
+    """The window matepoint asked for the forward graph being partitioned now, if any.
+
+    Per thread: a graph's joint pass and its partitioner run in the thread that compiles it.
+    """
 
     max_inflight_bytes: int | None = None
+
+
+_PENDING = _Pending()
 
 
 def _wrap(original: Callable[..., None]) -> Callable[..., None]:
@@ -269,7 +276,7 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
     def enable_activation_offloading(
         fwd_module: torch.fx.GraphModule, *args: Any, **kwargs: Any
     ) -> None:
-        window, _Pending.max_inflight_bytes = _Pending.max_inflight_bytes, None
+        window, _PENDING.max_inflight_bytes = _PENDING.max_inflight_bytes, None
         original(fwd_module, *args, **kwargs)
         if window is not None:
             FORWARD_WINDOW_COUNTS.graphs += 1
@@ -299,4 +306,4 @@ def set_forward_window(max_inflight_bytes: int | None) -> None:
     module: Any = activation_offloading
     if not getattr(module.enable_activation_offloading, "matepoint_window", False):
         module.enable_activation_offloading = _wrap(module.enable_activation_offloading)
-    _Pending.max_inflight_bytes = max_inflight_bytes
+    _PENDING.max_inflight_bytes = max_inflight_bytes
