@@ -444,6 +444,79 @@ def test_the_copy_window_is_part_of_the_compile_cache_key() -> None:
     assert first[0] != second[0]
 
 
+@needs_compiled_offload
+@_INDUCTOR_IMPORT
+@pytest.mark.skipif(
+    compat.TORCH_2_12_PLUS, reason="torch 2.12+ copies inside one op (ao::offload), no stream ops"
+)
+def test_inductor_emits_nothing_between_a_forward_copys_fork_and_join(
+    transport: CPUTestTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.11's stream ops have no data dependencies; a kernel emitted between a copy's
+    ``fork`` and ``join`` runs after the event the transfer stream waited on (Note [The forward
+    copy window], "Ordering"). The CPU test transport has no streams, so the stream path is
+    forced and stream and event ids are plain numbers: the generated code is read, not run."""
+    import itertools
+
+    from torch._functorch._activation_offloading import activation_offloading
+    from torch._inductor import graph as inductor_graph
+    from torch._inductor.utils import fresh_inductor_cache
+
+    ids = itertools.count(1000)
+    for name in ("get_current_stream", "new_stream", "new_event"):
+        monkeypatch.setattr(activation_offloading, name, lambda *args, **kwargs: next(ids))
+    # Backward's prefetch times nodes on a GPU; the forward is what is checked here.
+    monkeypatch.setattr(activation_offloading, "activation_reload_prefetch", lambda graph: None)
+    configure = compat.compiled_offload_config
+
+    def with_the_stream(*, pipelined: bool, max_inflight_bytes: int = 0) -> None:
+        configure(pipelined=True, max_inflight_bytes=max_inflight_bytes)
+
+    monkeypatch.setattr(compat, "compiled_offload_config", with_the_stream)
+    codes: list[str] = []
+    codegen = inductor_graph.GraphLowering.codegen
+
+    def keep_code(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = codegen(self, *args, **kwargs)
+        code = result[0] if isinstance(result, tuple) else result
+        codes.append(str(getattr(code, "value", code)))
+        return result
+
+    monkeypatch.setattr(inductor_graph.GraphLowering, "codegen", keep_code)
+
+    class Residual(nn.Module):
+        """A block whose output add inductor emits lazily (seen inside a fork..join)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(WIDTH, 4 * WIDTH)
+            self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(F.gelu(self.up(x)))
+
+    blocks = nn.ModuleList(Residual() for _ in range(DEPTH + 1))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = x.tanh()
+        for block in blocks:
+            h = matepoint.checkpoint(block, h, use_reentrant=False)
+        return h.square().mean()
+
+    x = torch.randn(32, WIDTH, requires_grad=True)
+    with fresh_inductor_cache(), pytest.raises(Exception):  # noqa: B017, PT011
+        # The stream ids are not real: running fails, after the code is generated.
+        torch.compile(forward, backend="inductor")(x).backward()
+    forward = codes[0][codes[0].index("def call(") :]
+    lines = [line.strip() for line in forward.splitlines()]
+    forks = [i for i, line in enumerate(lines) if "torch.ops.streams.fork" in line]
+    assert len(forks) == DEPTH + 1  # one copy per block input
+    for fork in forks:
+        join = next(i for i in range(fork, len(lines)) if "torch.ops.streams.join" in lines[i])
+        region = [line for line in lines[fork + 1 : join] if line and not line.startswith("#")]
+        assert all(line.startswith("torch.ops.streams.") for line in region), region
+
+
 class SharedInputModel(nn.Module):
     """A GPT's x0 pattern: a normed embedding every block reads, mixed in by a learnt scale."""
 
