@@ -39,3 +39,21 @@ def test_summarize_trace_splits_phases_and_finds_the_compute_stream() -> None:
     assert backward["compute_busy_ms"] == pytest.approx(0.05)
     assert backward["copies"]["Memcpy HtoD (Pinned -> Device)"][0] == 1
     assert backward["runtime"]["cudaStreamWaitEvent"][0] == 1
+    # The forward copy (45-55) runs on stream 20 while the gemm (50-70) runs: 5 us under compute.
+    assert forward["copies_under_compute_ms"] == pytest.approx(0.005)
+    assert forward["copies_on_compute_stream_ms"] == 0.0
+    # The backward copy (110-118) ends before the backward gemm starts: nothing under compute.
+    assert backward["copies_under_compute_ms"] == 0.0
+
+
+def test_copies_on_the_compute_stream_are_counted_apart() -> None:
+    events = [
+        _event("user_annotation", FORWARD_MARK, 0.0, 100.0),
+        _event("kernel", "gemm", 0.0, 40.0, stream=7),
+        _event("kernel", "gemm", 30.0, 20.0, stream=7),  # overlapping kernels merge
+        _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 50.0, 10.0, stream=7, bytes=8),
+        _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 20.0, 40.0, stream=9, bytes=8),
+    ]
+    forward = summarize_trace({"traceEvents": events})["forward"]
+    assert forward["copies_on_compute_stream_ms"] == pytest.approx(0.01)
+    assert forward["copies_under_compute_ms"] == pytest.approx(0.03)  # 20-50 under 0-50

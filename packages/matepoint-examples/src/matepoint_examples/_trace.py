@@ -70,6 +70,21 @@ def _phase_name(ts: float, boundary: float | None) -> str:
     return "forward" if boundary is not None and ts < boundary else "backward"
 
 
+def _overlap(spans: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
+    """Total length of ``spans`` during which some interval of ``busy`` runs."""
+    merged: list[list[float]] = []
+    for start, end in sorted(busy):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return sum(
+        max(0.0, min(end, busy_end) - max(start, busy_start))
+        for start, end in spans
+        for busy_start, busy_end in merged
+    )
+
+
 def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
     """Reduce a Chrome trace of one step to per-phase device and runtime figures.
 
@@ -77,7 +92,10 @@ def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
     end of the ``matepoint-bench forward`` range, backward after it): the compute stream's
     busy time (sum of its kernels) and span (first kernel start to last kernel end), copies by
     kind (count, device milliseconds, bytes), and CUDA runtime calls by name (count, host
-    milliseconds): event records and waits, copies, synchronizations.
+    milliseconds): event records and waits, copies, synchronizations. Whether copies overlap
+    compute: ``copies_on_compute_stream_ms`` (copy time on the compute stream itself, which
+    cannot overlap it) and ``copies_under_compute_ms`` (copy time on other streams during which
+    a compute-stream kernel ran).
 
     Args:
         data: The parsed trace (``export_chrome_trace``'s JSON).
@@ -98,15 +116,26 @@ def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
             kernel_time[stream] = kernel_time.get(stream, 0.0) + float(e["dur"])
     compute = max(kernel_time, key=lambda k: kernel_time[k]) if kernel_time else None
     phases: dict[str, dict[str, Any]] = {}
+    kernel_spans: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": []}
+    copy_spans: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": []}
     for name in ("forward", "backward"):
         phases[name] = {"copies": {}, "runtime": {}}
         if compute is not None:
-            phases[name].update(compute_busy_ms=0.0, kernels=0, first=None, last=None)
+            phases[name].update(
+                compute_busy_ms=0.0,
+                kernels=0,
+                first=None,
+                last=None,
+                copies_on_compute_stream_ms=0.0,
+            )
     for e in events:
         cat = e.get("cat")
         ts, dur = float(e["ts"]), float(e["dur"])
-        phase = phases[_phase_name(ts, boundary)]
-        if cat == "kernel" and e.get("args", {}).get("stream", e.get("tid")) == compute:
+        phase_name = _phase_name(ts, boundary)
+        phase = phases[phase_name]
+        stream = e.get("args", {}).get("stream", e.get("tid"))
+        if cat == "kernel" and stream == compute:
+            kernel_spans[phase_name].append((ts, ts + dur))
             phase["compute_busy_ms"] += dur / 1e3
             phase["kernels"] += 1
             phase["first"] = ts if phase["first"] is None else min(phase["first"], ts)
@@ -116,11 +145,17 @@ def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
             entry[0] += 1
             entry[1] += dur / 1e3
             entry[2] += int(e.get("args", {}).get("bytes", 0) or 0)
+            if compute is not None and stream == compute:
+                phase["copies_on_compute_stream_ms"] += dur / 1e3
+            elif compute is not None:
+                copy_spans[phase_name].append((ts, ts + dur))
         elif cat in ("cuda_runtime", "cuda_driver"):
             entry = phase["runtime"].setdefault(e.get("name", "?"), [0, 0.0])
             entry[0] += 1
             entry[1] += dur / 1e3
-    for phase in phases.values():
+    for name, phase in phases.items():
+        if compute is not None:
+            phase["copies_under_compute_ms"] = _overlap(copy_spans[name], kernel_spans[name]) / 1e3
         first, last = phase.pop("first", None), phase.pop("last", None)
         if first is not None and last is not None:
             phase["compute_span_ms"] = (last - first) / 1e3
