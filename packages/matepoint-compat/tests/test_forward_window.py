@@ -73,7 +73,7 @@ def forward_graph(sizes: list[int]) -> tuple[torch.fx.Graph, list[torch.fx.Node]
 def copies_of(graph: torch.fx.Graph) -> list[Any]:
     nodes = list(graph.nodes)
     return sorted(
-        _forward_window._async_copies(nodes) + _forward_window._stream_copies(graph, nodes),
+        _forward_window._async_copies(nodes) + _forward_window._stream_copies(nodes),
         key=lambda copy: nodes.index(copy.start),
     )
 
@@ -109,7 +109,10 @@ def layout(graph: torch.fx.Graph, copies: list[Any]) -> dict[str, Any]:
         last_use = max(index[user] for user in copy.value.users)
         kept.append(all(_is_stream_op(nodes[i]) for i in range(last_use + 1, wait)))
     # torch 2.11: the value is taken by a node before the event the transfer stream waits on.
-    realized = [copy.realize is None or index[copy.realize] < index[copy.start] for copy in copies]
+    realized = [
+        copy.record_stream is None or index[copy.record_stream] < index[copy.start]
+        for copy in copies
+    ]
     return {"waits": places, "kept_alive": kept, "realized_before_start": realized}
 
 

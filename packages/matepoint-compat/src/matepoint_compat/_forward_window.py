@@ -54,6 +54,7 @@ Note [The forward copy window]
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import warnings
@@ -84,8 +85,8 @@ class _Copy:
     wait: torch.fx.Node
     value: torch.fx.Node
     nbytes: int
-    keep_alive: Callable[[], None] | None
-    realize: torch.fx.Node | None = None
+    record_stream: torch.fx.Node | None = None
+    """torch 2.11: the ``record_stream`` of the value before its copy (2.12+: none)."""
 
 
 class _UnexpectedShape(Exception):
@@ -116,7 +117,7 @@ def _async_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
         value = offload.args[0]
         if not isinstance(value, torch.fx.Node) or node.args[1:2] != (value,):
             raise _UnexpectedShape(f"{node.name} does not keep its copied value alive")
-        copies.append(_Copy(offload, node, value, _value_bytes(value), None))
+        copies.append(_Copy(offload, node, value, _value_bytes(value)))
     return copies
 
 
@@ -133,15 +134,7 @@ _STREAM_PATTERN = (
 """torch 2.11's nodes around one forward copy (``add_forward_offload_stream_ops``)."""
 
 
-def _record_stream_before(
-    graph: torch.fx.Graph, record_stream: torch.fx.Node, wait: torch.fx.Node
-) -> None:
-    """Insert, before ``wait``, another ``record_stream`` of what ``record_stream`` records."""
-    with graph.inserting_before(wait):
-        graph.call_function(record_stream.target, record_stream.args)  # type: ignore[arg-type]
-
-
-def _stream_copies(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> list[_Copy]:
+def _stream_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
     """torch 2.11: the copy sits at index 4 of ``_STREAM_PATTERN``; the last node is its wait."""
     copies = []
     for index, node in enumerate(nodes):
@@ -154,26 +147,24 @@ def _stream_copies(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> list[_C
         value = node.args[0]
         if not isinstance(value, torch.fx.Node) or record_stream.args[0] is not value:
             raise _UnexpectedShape(f"{record_stream.name} does not name what {node.name} copies")
-        keep_alive = functools.partial(_record_stream_before, graph, record_stream, wait)
-        copies.append(
-            _Copy(group[0], wait, value, _value_bytes(value), keep_alive, realize=record_stream)
-        )
+        copies.append(_Copy(group[0], wait, value, _value_bytes(value), record_stream))
     return copies
 
 
-def _copies_or_none(graph: torch.fx.Graph) -> list[_Copy]:
-    """The graph's copies, or none where their layout is unexpected (bound_forward_waits warns)."""
-    nodes = list(graph.nodes)
-    try:
-        return _async_copies(nodes) + _stream_copies(graph, nodes)
-    except _UnexpectedShape:
-        return []
+def _find_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
+    """The copies in a forward graph's nodes, in either torch layout (raises if unexpected)."""
+    return _async_copies(nodes) + _stream_copies(nodes)
 
 
 def _move_wait(copy: _Copy, before: torch.fx.Node) -> None:
+    """Move ``copy``'s wait before ``before``; on 2.11 keep its value alive until the wait."""
     before.prepend(copy.wait)
-    if copy.keep_alive is not None:
-        copy.keep_alive()
+    if copy.record_stream is not None:
+        with copy.wait.graph.inserting_before(copy.wait):
+            copy.wait.graph.call_function(
+                copy.record_stream.target,  # type: ignore[arg-type]
+                copy.record_stream.args,
+            )
 
 
 COPIES_IN_FLIGHT = 1
@@ -203,7 +194,7 @@ def bound_forward_waits(
     """
     nodes = list(graph.nodes)
     try:
-        copies = _async_copies(nodes) + _stream_copies(graph, nodes)
+        copies = _find_copies(nodes)
     except _UnexpectedShape as error:
         warnings.warn(
             f"matepoint: the compiled forward's copies to the host keep torch's placement (the "
@@ -213,8 +204,8 @@ def bound_forward_waits(
         )
         return 0
     for copy in copies:
-        if copy.realize is not None:
-            copy.start.prepend(copy.realize)
+        if copy.record_stream is not None:
+            copy.start.prepend(copy.record_stream)
     if max_inflight_bytes <= 0 or copies_in_flight <= 0:
         return 0
     order = {node: index for index, node in enumerate(nodes)}
@@ -280,7 +271,8 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         original(fwd_module, *args, **kwargs)
         if window is not None:
             FORWARD_WINDOW_COUNTS.graphs += 1
-            FORWARD_WINDOW_COUNTS.copies += len(_copies_or_none(fwd_module.graph))
+            with contextlib.suppress(_UnexpectedShape):  # bound_forward_waits warns of it
+                FORWARD_WINDOW_COUNTS.copies += len(_find_copies(list(fwd_module.graph.nodes)))
             FORWARD_WINDOW_COUNTS.waits_moved += bound_forward_waits(fwd_module.graph, window)
             fwd_module.graph.lint()
             fwd_module.recompile()
