@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch import Tensor
 
+import matepoint_compat
 from matepoint_examples import _compiled
+from matepoint_examples.strategies import get_strategy
 
 CPU = torch.device("cpu")
 
@@ -183,3 +185,88 @@ def test_fx_graph_cache_is_not_used_without_inductor() -> None:
     compiled = _compile_step("aot_eager")
     assert compiled["fx_graph_cache"] == "not used"
     assert "fx_graph_cache_bypass" not in compiled
+
+
+CUDA = torch.device("cuda")
+PLAIN_RNG = {} if matepoint_compat.TORCH_2_13_PLUS else {"graphsafe_rng_functionalization": False}
+"""What every compiled strategy changes on CUDA so that its graphs can be cached."""
+
+
+@pytest.mark.parametrize("strategy", ["torch-compile", "torch-compiled-offload", "matepoint-compile"])
+def test_every_compiled_strategy_replays_random_ops_in_a_cacheable_form_on_cuda(
+    strategy: str,
+) -> None:
+    """Before torch 2.13 the CUDA-graph-safe replay is not cacheable, so it is off on CUDA."""
+    spec = get_strategy(strategy).compiled
+    assert spec is not None
+    on_cuda = _compiled.CompiledForward(lambda: torch.zeros(()), "probe", spec, CUDA)
+    on_cpu = _compiled.CompiledForward(lambda: torch.zeros(()), "probe", spec, CPU)
+    for name, value in PLAIN_RNG.items():
+        assert on_cuda.settings[name] is value
+    assert "graphsafe_rng_functionalization" not in on_cpu.settings
+    assert _compiled.cacheable_rng_settings(CPU) == {}
+
+
+def test_a_row_says_how_random_ops_replay_and_when_the_partitioner_did_not_run() -> None:
+    from torch._dynamo.utils import counters
+
+    def compiled(loss: Any) -> Tensor:
+        counters["aot_autograd"]["autograd_cache_hit"] += 1
+        return loss()
+
+    step = _compiled.CompiledForward(
+        lambda: torch.zeros(()), "probe", _compiled.CompileSpec(), CUDA, backend="eager"
+    )
+    step.compiled = compiled
+    step()
+    report = step.report()
+    assert report["autograd_cache"] == "hit"
+    assert "cache hit" in report["partitioner"]
+    assert ("rng_replay" in report) is bool(PLAIN_RNG)
+    missed = _compiled.CompiledForward(
+        lambda: torch.zeros(()), "probe", _compiled.CompileSpec(), CPU, backend="eager"
+    )
+    missed()
+    assert "partitioner" not in missed.report()
+    assert "rng_replay" not in missed.report()
+
+
+def _attention_step(settings: dict[str, Any], seed: int) -> tuple[dict[str, Any], Tensor]:
+    """One compiled step of a checkpointed attention with dropout on CUDA: report, gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    query = torch.randn(2, 4, 256, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+
+    def block(x: Tensor) -> Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.25)
+
+    def loss() -> Tensor:
+        return checkpoint(block, query, use_reentrant=False).float().square().sum()
+
+    step = _compiled.CompiledForward(loss, "attention", _compiled.CompileSpec(), CUDA)
+    step.settings.update(settings)
+    torch.manual_seed(seed)
+    step().backward()
+    assert query.grad is not None
+    return step.report(), query.grad
+
+
+@pytest.mark.gpu
+def test_plain_rng_replay_is_saved_by_the_caches_and_replays_dropout_on_cuda() -> None:
+    """The cacheable replay is saved (the CUDA-graph-safe one is not, before 2.13) and gives
+    the gradient of the default replay: the same dropout mask is replayed in backward."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import fresh_inductor_cache
+
+    with fresh_inductor_cache(), inductor_config.patch(fx_graph_cache=True):
+        plain, plain_grad = _attention_step({"graphsafe_rng_functionalization": False}, seed=0)
+        torch._dynamo.reset()
+        graphsafe, graphsafe_grad = _attention_step({"graphsafe_rng_functionalization": True}, 0)
+        torch._dynamo.reset()
+        _, other_seed_grad = _attention_step({"graphsafe_rng_functionalization": False}, seed=1)
+    assert plain["autograd_cache"] == "miss+saved", plain
+    if not matepoint_compat.TORCH_2_13_PLUS:
+        assert "saved" not in graphsafe["autograd_cache"].split("+"), graphsafe
+        assert any("graphsafe_run_with_rng_state" in r for r in graphsafe["fx_graph_cache_bypass"])
+    torch.testing.assert_close(plain_grad, graphsafe_grad, rtol=0, atol=0)
+    assert not torch.equal(plain_grad, other_seed_grad)  # the mask matters: the test can fail

@@ -51,6 +51,7 @@ __all__ = [
     "TORCH_COMPILED_OFFLOAD",
     "CompileSpec",
     "CompiledForward",
+    "cacheable_rng_settings",
     "default_backend",
     "mark_checkpoint_inputs",
     "torch_offload_session",
@@ -77,6 +78,31 @@ _OFFLOAD_SETTINGS = {
 # always true, when the oldest supported torch is 2.11.
 TORCH_COMPILED_OFFLOAD: bool = matepoint_compat.TORCH_2_11_PLUS
 """Whether this torch is a release the ``torch-compiled-offload`` strategy is written for."""
+
+
+def cacheable_rng_settings(device: torch.device) -> dict[str, Any]:
+    """Return the AOTAutograd setting that lets every compiled strategy's graphs be cached.
+
+    Under compile, a checkpointed region's random ops are replayed in backward with the state
+    the forward saved (functionalized RNG). On CUDA, scaled dot-product attention's fused
+    kernels count as random ops (tagged ``nondeterministic_seeded``, dropout or not), so every
+    transformer block has one. By default torch wraps each in ``graphsafe_run_with_rng_state``,
+    the form CUDA graphs can capture; before torch 2.13 that operator is not cacheable, so
+    inductor bypasses its FX graph cache and AOTAutograd saves nothing: each process compiles
+    from scratch (minutes on the deep workloads). The bench runs no CUDA graphs, so on those
+    releases its compiled strategies all use torch's plain form (``run_and_save_rng_state``,
+    replayed bitwise the same way, and cacheable). Every compiled strategy gets the same
+    setting, so paired ratios among them compare like with like.
+
+    Args:
+        device: Where the model runs.
+
+    Returns:
+        The change to ``torch._functorch.config``, or none (a CPU, or torch 2.13+).
+    """
+    if device.type == "cuda" and not matepoint_compat.TORCH_2_13_PLUS:
+        return {"graphsafe_rng_functionalization": False}
+    return {}
 
 
 def _functorch_config() -> Any:
@@ -315,7 +341,11 @@ class CompiledForward:
         self.backend = backend or default_backend(device)
         self.settings = {
             name: value
-            for name, value in {**_OFFLOAD_SETTINGS, **spec.settings(device)}.items()
+            for name, value in {
+                **_OFFLOAD_SETTINGS,
+                **cacheable_rng_settings(device),
+                **spec.settings(device),
+            }.items()
             if hasattr(_functorch_config(), name)
         }
         self.compiled = torch.compile(
@@ -365,7 +395,8 @@ class CompiledForward:
         forward and its backward, which compiles lazily; ended by :meth:`end_compile_step`), as
         :class:`~matepoint_examples._compile_caches.CompileStepCaches` says. An AOTAutograd
         ``hit`` means the joint pass and the partitioner did not run in this process, so a
-        strategy's marks count 0.
+        strategy's marks count 0 (the row says so, as ``partitioner``); ``rng_replay`` says
+        when :func:`cacheable_rng_settings` changed how random ops are replayed.
         """
         self.end_compile_step()
         info: dict[str, Any] = {
@@ -377,6 +408,10 @@ class CompiledForward:
             "graphs_after_first_forward": self.graphs_after_first_call,
             **self.caches.report(),
         }
+        if self.settings.get("graphsafe_rng_functionalization") is False:
+            info["rng_replay"] = "plain, cacheable (see cacheable_rng_settings)"
+        if self.caches.autograd_cache == "hit":
+            info["partitioner"] = "not run in this process (cache hit), so its counts are 0"
         if self.spec.report is not None:
             info.update(self.spec.report())
         return info
