@@ -192,7 +192,9 @@ PLAIN_RNG = {} if matepoint_compat.TORCH_2_13_PLUS else {"graphsafe_rng_function
 """What every compiled strategy changes on CUDA so that its graphs can be cached."""
 
 
-@pytest.mark.parametrize("strategy", ["torch-compile", "torch-compiled-offload", "matepoint-compile"])
+@pytest.mark.parametrize(
+    "strategy", ["torch-compile", "torch-compiled-offload", "matepoint-compile"]
+)
 def test_every_compiled_strategy_replays_random_ops_in_a_cacheable_form_on_cuda(
     strategy: str,
 ) -> None:
