@@ -233,10 +233,12 @@ def test_a_row_says_how_random_ops_replay_and_when_the_partitioner_did_not_run()
     assert "rng_replay" not in missed.report()
 
 
-def _attention_step(settings: dict[str, Any], seed: int) -> tuple[dict[str, Any], Tensor]:
-    """One compiled step of a checkpointed attention with dropout on CUDA: report, gradient."""
+def _attention_step(settings: dict[str, Any] | None, seed: int) -> tuple[dict[str, Any], Tensor]:
+    """One step of a checkpointed attention with dropout on CUDA: the compile report (empty
+    when ``settings`` is ``None``: run eagerly) and the input's gradient."""
     from torch.utils.checkpoint import checkpoint
 
+    torch.manual_seed(0)
     query = torch.randn(2, 4, 256, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
 
     def block(x: Tensor) -> Tensor:
@@ -245,30 +247,41 @@ def _attention_step(settings: dict[str, Any], seed: int) -> tuple[dict[str, Any]
     def loss() -> Tensor:
         return checkpoint(block, query, use_reentrant=False).float().square().sum()
 
-    step = _compiled.CompiledForward(loss, "attention", _compiled.CompileSpec(), CUDA)
-    step.settings.update(settings)
     torch.manual_seed(seed)
-    step().backward()
+    if settings is None:
+        loss().backward()
+        report: dict[str, Any] = {}
+    else:
+        step = _compiled.CompiledForward(loss, "attention", _compiled.CompileSpec(), CUDA)
+        step.settings.update(settings)
+        step().backward()
+        report = step.report()
     assert query.grad is not None
-    return step.report(), query.grad
+    return report, query.grad
 
 
 @pytest.mark.gpu
 def test_plain_rng_replay_is_saved_by_the_caches_and_replays_dropout_on_cuda() -> None:
-    """The cacheable replay is saved (the CUDA-graph-safe one is not, before 2.13) and gives
-    the gradient of the default replay: the same dropout mask is replayed in backward."""
+    """The cacheable replay is saved (the CUDA-graph-safe one is not, before 2.13), and it
+    replays in backward the dropout mask the forward drew: the gradient is eager's, seed for
+    seed. (The CUDA-graph-safe form draws from a generator of its own, so its mask is not.)"""
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import fresh_inductor_cache
 
+    plain_rng = {"graphsafe_rng_functionalization": False}
     with fresh_inductor_cache(), inductor_config.patch(fx_graph_cache=True):
-        plain, plain_grad = _attention_step({"graphsafe_rng_functionalization": False}, seed=0)
+        plain, plain_grad = _attention_step(plain_rng, seed=1)
         torch._dynamo.reset()
-        graphsafe, graphsafe_grad = _attention_step({"graphsafe_rng_functionalization": True}, 0)
+        graphsafe, _ = _attention_step({"graphsafe_rng_functionalization": True}, seed=1)
         torch._dynamo.reset()
-        _, other_seed_grad = _attention_step({"graphsafe_rng_functionalization": False}, seed=1)
+    _, eager_grad = _attention_step(None, seed=1)
+    _, other_seed_grad = _attention_step(None, seed=2)
     assert plain["autograd_cache"] == "miss+saved", plain
     if not matepoint_compat.TORCH_2_13_PLUS:
         assert "saved" not in graphsafe["autograd_cache"].split("+"), graphsafe
         assert any("graphsafe_run_with_rng_state" in r for r in graphsafe["fx_graph_cache_bypass"])
-    torch.testing.assert_close(plain_grad, graphsafe_grad, rtol=0, atol=0)
-    assert not torch.equal(plain_grad, other_seed_grad)  # the mask matters: the test can fail
+    # One bf16 rounding step apart where inductor fuses the loss's gradient differently (0.3%
+    # of elements on an H200); another mask moves most elements by far more.
+    tolerance = {"rtol": 1.6e-2, "atol": 4e-3}
+    torch.testing.assert_close(plain_grad, eager_grad, **tolerance)
+    assert not torch.allclose(plain_grad, other_seed_grad, **tolerance)  # the test can fail
