@@ -44,6 +44,10 @@ def test_summarize_trace_splits_phases_and_finds_the_compute_stream() -> None:
     assert forward["copies_on_compute_stream_ms"] == 0.0
     # The backward copy (110-118) ends before the backward gemm starts: nothing under compute.
     assert backward["copies_under_compute_ms"] == 0.0
+    # The small kernel on stream 20 ran off the compute stream; backward had none there.
+    assert forward["kernels_off_compute_stream"] == 1
+    assert forward["kernels_off_compute_stream_ms"] == pytest.approx(0.005)
+    assert backward["kernels_off_compute_stream"] == 0
 
 
 def test_copies_on_the_compute_stream_are_counted_apart() -> None:

@@ -95,7 +95,11 @@ def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
     milliseconds): event records and waits, copies, synchronizations. Whether copies overlap
     compute: ``copies_on_compute_stream_ms`` (copy time on the compute stream itself, which
     cannot overlap it) and ``copies_under_compute_ms`` (copy time on other streams during which
-    a compute-stream kernel ran).
+    a compute-stream kernel ran). And whether compute left the compute stream:
+    ``kernels_off_compute_stream`` (count) and ``kernels_off_compute_stream_ms`` (device time)
+    of kernels on other streams; a compiled graph whose generated code runs compute between a
+    copy's fork to the transfer stream and its join back runs that compute on the transfer
+    stream, in line with the copy.
 
     Args:
         data: The parsed trace (``export_chrome_trace``'s JSON).
@@ -127,6 +131,8 @@ def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
                 first=None,
                 last=None,
                 copies_on_compute_stream_ms=0.0,
+                kernels_off_compute_stream=0,
+                kernels_off_compute_stream_ms=0.0,
             )
     for e in events:
         cat = e.get("cat")
@@ -140,6 +146,9 @@ def summarize_trace(data: Mapping[str, Any]) -> dict[str, Any]:
             phase["kernels"] += 1
             phase["first"] = ts if phase["first"] is None else min(phase["first"], ts)
             phase["last"] = ts + dur if phase["last"] is None else max(phase["last"], ts + dur)
+        elif cat == "kernel" and compute is not None:
+            phase["kernels_off_compute_stream"] += 1
+            phase["kernels_off_compute_stream_ms"] += dur / 1e3
         elif cat == "gpu_memcpy":
             entry = phase["copies"].setdefault(e.get("name", "?"), [0, 0.0, 0])
             entry[0] += 1
