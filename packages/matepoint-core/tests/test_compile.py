@@ -444,23 +444,43 @@ def test_the_copy_window_is_part_of_the_compile_cache_key() -> None:
     assert first[0] != second[0]
 
 
+@functools.cache
+def _host_copy_op() -> Any:
+    """An extern op standing in for a forward copy to the host (registered once)."""
+
+    @torch.library.custom_op("matepoint_test::copy_out", mutates_args=())
+    def copy_out(value: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @copy_out.register_fake
+    def _(value: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(value)
+
+    return torch.ops.matepoint_test.copy_out.default
+
+
 @needs_compiled_offload
 @_INDUCTOR_IMPORT
 @pytest.mark.skipif(
     compat.TORCH_2_12_PLUS, reason="torch 2.12+ copies inside one op (ao::offload), no stream ops"
 )
-def test_inductor_emits_nothing_between_a_forward_copys_fork_and_join(
+def test_inductor_runs_each_forward_copy_alone_on_the_transfer_stream_and_waits_a_block_later(
     transport: CPUTestTransport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """torch 2.11's stream ops have no data dependencies; a kernel emitted between a copy's
     ``fork`` and ``join`` runs after the event the transfer stream waited on (Note [The forward
-    copy window], "Ordering"). The CPU test transport has no streams, so the stream path is
-    forced and stream and event ids are plain numbers: the generated code is read, not run."""
+    copy window], "Ordering"). So in inductor's generated forward each copy runs alone between
+    its fork and join, and each moved wait comes after the next block's kernels. The CPU test
+    transport has no streams, so the stream path is forced and stream and event ids are plain
+    numbers: the generated code is read, not run. (With torch's placement, max_inflight_bytes
+    0, the wait check fails: each wait follows its join.)"""
     import itertools
 
     from torch._functorch._activation_offloading import activation_offloading
     from torch._inductor import graph as inductor_graph
     from torch._inductor.utils import fresh_inductor_cache
+
+    from matepoint_compat import _forward_window as window
 
     ids = itertools.count(1000)
     for name in ("get_current_stream", "new_stream", "new_event"):
@@ -483,6 +503,19 @@ def test_inductor_emits_nothing_between_a_forward_copys_fork_and_join(
         return result
 
     monkeypatch.setattr(inductor_graph.GraphLowering, "codegen", keep_code)
+    # A copy to the host is an extern kernel on CUDA; on the CPU it folds away (CPU to CPU), so
+    # each copy becomes an extern op of the same shape, which inductor schedules as it would
+    # schedule the CUDA copy.
+    copy_out = _host_copy_op()
+    bound = window.bound_forward_waits
+
+    def with_extern_copies(graph: torch.fx.Graph, *args: Any, **kwargs: Any) -> int:
+        moved = bound(graph, *args, **kwargs)
+        for node in graph.find_nodes(op="call_function", target=torch.ops.prims.device_put.default):
+            node.target, node.args, node.kwargs = copy_out, node.args[:1], {}
+        return moved
+
+    monkeypatch.setattr(window, "bound_forward_waits", with_extern_copies)
 
     class Residual(nn.Module):
         """A block whose output add inductor emits lazily (seen inside a fork..join)."""
@@ -511,10 +544,26 @@ def test_inductor_emits_nothing_between_a_forward_copys_fork_and_join(
     lines = [line.strip() for line in forward.splitlines()]
     forks = [i for i, line in enumerate(lines) if "torch.ops.streams.fork" in line]
     assert len(forks) == DEPTH + 1  # one copy per block input
+    joins = []
     for fork in forks:
         join = next(i for i in range(fork, len(lines)) if "torch.ops.streams.join" in lines[i])
+        joins.append(join)
         region = [line for line in lines[fork + 1 : join] if line and not line.startswith("#")]
-        assert all(line.startswith("torch.ops.streams.") for line in region), region
+        copies = [line for line in region if "copy_out" in line and "=" in line.split("(")[0]]
+        assert len(copies) == 1, region  # the copy itself runs on the transfer stream
+        others = [line for line in region if "(" in line and "copy_out" not in line]
+        assert all(line.startswith("torch.ops.streams.") for line in others), region
+    # Each moved wait comes after the next block's compute, before the next copy's event (the
+    # last one goes to the end of the graph, where inductor may still emit the loss after it).
+    waits = [i for i, line in enumerate(lines) if line.startswith("torch.ops.streams.wait_event")]
+    assert any(i > joins[-1] for i in waits)
+    for join, next_fork in zip(joins[:-1], forks[1:], strict=True):
+        between = lines[join + 1 : next_fork]
+        compute = [line for line in between if "extern_kernels." in line or "cpp_fused" in line]
+        assert compute, between  # the next block ran between the copies
+        moved = [i for i in waits if join < i < next_fork]
+        assert moved, between
+        assert lines.index(compute[-1], join) < moved[0], between
 
 
 class SharedInputModel(nn.Module):
