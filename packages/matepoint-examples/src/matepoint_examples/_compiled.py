@@ -98,9 +98,14 @@ def cacheable_rng_settings(device: torch.device) -> dict[str, Any]:
         device: Where the model runs.
 
     Returns:
-        The change to ``torch._functorch.config``, or none (a CPU, or torch 2.13+).
+        The change to ``torch._functorch.config``, or none (a CPU, torch 2.13+, or a torch
+        without the CUDA-graph-safe form).
     """
-    if device.type == "cuda" and not matepoint_compat.TORCH_2_13_PLUS:
+    if (
+        device.type == "cuda"
+        and not matepoint_compat.TORCH_2_13_PLUS
+        and hasattr(_functorch_config(), "graphsafe_rng_functionalization")
+    ):
         return {"graphsafe_rng_functionalization": False}
     return {}
 
