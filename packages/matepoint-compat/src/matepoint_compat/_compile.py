@@ -21,6 +21,9 @@ forward and back before backward needs them. Every private torch symbol this tak
   vanilla one carries matepoint's choices into the key.
 - ``torch._dynamo.variables.streams`` defines the stream ops the transfer-stream offload puts in
   a graph; torch 2.11's ``record_stream`` needs the fix of :func:`_mend_stream_ops`.
+- torch 2.11's transfer-stream offload registers its stream and events with Dynamo while the
+  partitioner runs; a graph AOTAutograd loads from its cache skips the partitioner, so it must
+  never be cached there (``STREAM_COPIES_CACHEABLE``).
 
 All of it is checked on torch 2.11, 2.12 and 2.13; on older releases matepoint keeps its eager
 path under compile (a graph break per checkpoint). Gate ``COMPILED_OFFLOAD``.
@@ -41,6 +44,7 @@ from matepoint_compat._version import TORCH_2_11_PLUS, TORCH_2_12_PLUS
 
 __all__ = [
     "COMPILED_OFFLOAD",
+    "STREAM_COPIES_CACHEABLE",
     "annotate_offload",
     "compile_tracing",
     "compiled_offload_config",
@@ -93,6 +97,23 @@ True from torch 2.11 on (the releases the mechanism above is checked on) where a
 exist. Where False, ``matepoint.checkpoint`` runs eagerly under compile, as before: Dynamo
 graph-breaks at each call. The gate can become a plain version gate when the oldest supported
 torch has all of it.
+"""
+
+
+STREAM_COPIES_CACHEABLE: bool = TORCH_2_12_PLUS
+"""Whether a compiled graph whose copies run on torch's transfer stream may be cached.
+
+torch 2.11's transfer-stream offload (``activation_offload_separate_stream``) creates its stream
+and events while the partitioner runs (``new_stream``, ``new_event``: Dynamo's table of objects a
+graph looks up by index at run time). A graph that AOTAutograd's cache hands to another process
+never runs the partitioner there, so its first stream op fails with "Index not registered in
+index_to_user_object_weakref" (seen on an H200 with torch 2.11: the second process of a run
+with a warm cache). From torch 2.12 the copies are ops (``ao::offload``, ``ao::reload``) that
+find their stream when they run, so the graph is cacheable. Where False, a pipelined matepoint
+region's ``context_fn`` carries no ``cache_hash`` (:func:`recompute_all_context_fn`), so
+AOTAutograd bypasses its cache for that graph (inductor's FX graph cache still serves it: its
+key holds the stream and event numbers). Shim (gate ``TORCH_2_12_PLUS``) can go when 2.12 is
+the oldest supported torch.
 """
 
 
@@ -168,7 +189,9 @@ def _recompute_all_contexts(cache_hash: str) -> tuple[Any, Any]:
     return contexts
 
 
-def recompute_all_context_fn(cache_hash: str) -> Callable[[], tuple[Any, Any]]:
+def recompute_all_context_fn(
+    cache_hash: str, *, cacheable: bool = True
+) -> Callable[[], tuple[Any, Any]]:
     """A checkpoint ``context_fn`` that compiles exactly like none, with a cache identity.
 
     torch 2.11+ compiles a checkpoint given no ``context_fn`` as selective checkpointing with a
@@ -181,13 +204,17 @@ def recompute_all_context_fn(cache_hash: str) -> Callable[[], tuple[Any, Any]]:
 
     Args:
         cache_hash: What identifies the choices this region was compiled with.
+        cacheable: False to keep every graph holding this region out of AOTAutograd's cache:
+            the ``context_fn`` then has no ``cache_hash``, and AOTAutograd bypasses its cache
+            for a checkpoint's ``context_fn`` without one (see ``STREAM_COPIES_CACHEABLE``).
 
     Returns:
         A function for ``torch.utils.checkpoint.checkpoint(..., context_fn=...)``, to be looked
         up (not created) in traced code.
     """
     context_fn = functools.partial(_recompute_all_contexts, cache_hash)
-    context_fn.cache_hash = cache_hash  # type: ignore[attr-defined]
+    if cacheable:
+        context_fn.cache_hash = cache_hash  # type: ignore[attr-defined]
     return context_fn
 
 

@@ -37,6 +37,14 @@ Note [The compiled path]
     checkpoint, which Dynamo falls back to when the body graph-breaks, refuses a ``context_fn``
     there) nor when the call brings its own ``context_fn``. ``matepoint.stats()`` does not
     count these copies.
+
+    The cache and torch 2.11: its transfer-stream copies cannot be loaded from AOTAutograd's
+    cache (``matepoint_compat.STREAM_COPIES_CACHEABLE``: the stream and events are registered
+    by the partitioner, which a cached graph skips, and the graph's first stream op fails). So
+    there a pipelined region's ``context_fn`` has no ``cache_hash``, which makes AOTAutograd
+    bypass its cache for the graph (inductor's own cache still serves its kernels), and a
+    region that cannot carry matepoint's ``context_fn`` (reentrant, or the call's own) copies
+    synchronously.
 """
 
 from __future__ import annotations
@@ -99,6 +107,11 @@ def checkpoint(
         )
         if not reentrant and "context_fn" not in kwargs:
             kwargs["context_fn"] = _CONTEXT_FNS[key]
+        elif pipelined and not compat.STREAM_COPIES_CACHEABLE:
+            # Without matepoint's context_fn nothing keeps this graph out of AOTAutograd's
+            # cache, where torch 2.11's transfer-stream copies break (see the Note): copy
+            # synchronously instead.
+            pipelined = False
         annotation = {
             "min_offload_bytes": min_offload_bytes,
             "pipeline": pipelined,
@@ -138,7 +151,8 @@ def _resolve(
         f"transport={type(transport()).__qualname__}"
     )
     if key not in _CONTEXT_FNS:
-        _CONTEXT_FNS[key] = compat.recompute_all_context_fn(key)
+        cacheable = compat.STREAM_COPIES_CACHEABLE or not pipelined
+        _CONTEXT_FNS[key] = compat.recompute_all_context_fn(key, cacheable=cacheable)
     return key, min_offload_bytes, pipelined, settings.max_inflight_bytes
 
 
