@@ -20,9 +20,9 @@ Note [The forward copy window]
     pending only hold more memory. Measured on an H200 (torch 2.11, 16 blocks of width 1024,
     8,192 tokens, bf16, 10 paired rounds, step time of torch's checkpoint under compile): one
     copy in flight 1.122, two 1.133, every wait at the end of forward 1.136, torch's placement
-    1.365. On the benchmark's transformer workloads the window did not shorten the forward
-    (docs/benchmarks.md, compile-era peers): there the forward copies cost what synchronous ones
-    do, for a reason not yet found.
+    1.365. On the benchmark's deep stacks inductor then moved every copy to the end of the
+    forward, which undid the window (Note [Inductor's peak-memory reorder] in
+    ``matepoint_compat._inductor_order`` says why and how matepoint's graphs avoid it).
 
     Lifetime: the value being copied must stay on the device until the compute stream has
     waited for its copy. torch 2.12+'s ``ao::wait_tensor`` takes it as a keep-alive argument.
@@ -65,6 +65,7 @@ from typing import Any
 import torch
 
 from matepoint_compat._compile import nbytes_hint
+from matepoint_compat._inductor_order import keep_order
 
 __all__ = [
     "COPIES_IN_FLIGHT",
@@ -257,6 +258,8 @@ class _Pending(threading.local):
     """
 
     max_inflight_bytes: int | None = None
+    matepoint_graph: bool = False
+    """Whether matepoint's joint pass marked values of this graph (with or without a window)."""
 
 
 _PENDING = _Pending()
@@ -268,7 +271,11 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         fwd_module: torch.fx.GraphModule, *args: Any, **kwargs: Any
     ) -> None:
         window, _PENDING.max_inflight_bytes = _PENDING.max_inflight_bytes, None
+        matepoint_graph, _PENDING.matepoint_graph = _PENDING.matepoint_graph, False
         original(fwd_module, *args, **kwargs)
+        if matepoint_graph:
+            backward = args[0] if args else kwargs.get("bwd_module")
+            keep_order(fwd_module, *([backward] if backward is not None else []))
         if window is not None:
             FORWARD_WINDOW_COUNTS.graphs += 1
             with contextlib.suppress(_UnexpectedShape):  # bound_forward_waits warns of it
@@ -289,6 +296,10 @@ def set_forward_window(max_inflight_bytes: int | None) -> None:
     process) takes the request and clears it, so it never reaches another graph. See Note [The
     forward copy window].
 
+    The same call has inductor compile the graph's forward and backward in their own order
+    (Note [Inductor's peak-memory reorder] in ``matepoint_compat._inductor_order``), with or
+    without a window.
+
     Args:
         max_inflight_bytes: The bound (``0``: torch's placement, with 2.11's copies made safe),
             or ``None`` to leave torch's graph as it is (synchronous copies).
@@ -299,3 +310,4 @@ def set_forward_window(max_inflight_bytes: int | None) -> None:
     if not getattr(module.enable_activation_offloading, "matepoint_window", False):
         module.enable_activation_offloading = _wrap(module.enable_activation_offloading)
     _PENDING.max_inflight_bytes = max_inflight_bytes
+    _PENDING.matepoint_graph = True

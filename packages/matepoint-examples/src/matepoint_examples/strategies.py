@@ -122,7 +122,10 @@ def _matepoint_compiled_report() -> dict[str, Any]:
     """Say whether matepoint's compiled path was taken, and what its forward copy window did.
 
     The window counts are the process's (graphs asked for, copies found, waits moved later; see
-    Note [The forward copy window] in ``matepoint_compat._forward_window``).
+    Note [The forward copy window] in ``matepoint_compat._forward_window``), and so are the
+    graphs inductor compiled in their own order (Note [Inductor's peak-memory reorder] in
+    ``matepoint_compat._inductor_order``; a graph loaded from AOTAutograd's cache counts in
+    neither).
     """
     taken = matepoint_compat.COMPILED_OFFLOAD
     info: dict[str, Any] = {"matepoint_path": "compiled" if taken else "eager, graph breaks"}
@@ -130,6 +133,10 @@ def _matepoint_compiled_report() -> dict[str, Any]:
         counts = matepoint_compat.FORWARD_WINDOW_COUNTS
         info["forward_window"] = (
             f"{counts.waits_moved} of {counts.copies} waits moved in {counts.graphs} graphs"
+        )
+        order = matepoint_compat.INDUCTOR_ORDER_COUNTS
+        info["inductor_order"] = (
+            f"kept in {order.compiled} of {order.marked} graphs (peak-memory reorder off)"
         )
     return info
 
