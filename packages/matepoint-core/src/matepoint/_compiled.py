@@ -28,7 +28,10 @@ Note [The compiled path]
     transfer stream and prefetched reloads, or synchronous copies; with the stream,
     ``max_inflight_bytes`` bounds the forward copies still running when a new one starts, as in
     eager mode (Note [The forward copy window] in ``matepoint_compat._forward_window``: torch
-    alone makes the compute stream wait for each copy right after starting it). The other
+    alone makes the compute stream wait for each copy right after starting it), and inductor
+    compiles the marked graphs with its peak-memory reorder off, which otherwise moves every
+    forward copy after the forward's last kernel (Note [Inductor's peak-memory reorder] in
+    ``matepoint_compat._inductor_order``). The other
     device settings (stash, look-ahead count, pool) have no effect: torch schedules and
     allocates the copies. A region's choices are resolved when Dynamo traces it (changing the
     settings later does not recompile) and go into torch's compile cache key through the
