@@ -8,6 +8,9 @@ Note [Options and settings] in ``matepoint._options``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import threading
+import warnings
 
 import pytest
 import torch
@@ -242,3 +245,122 @@ def test_resolution_is_reused_while_nothing_changes() -> None:
         assert changed is not first
         assert changed is not None
         assert changed.prefetch == 3
+
+
+def test_replace_keeps_options_and_their_deprecated_settings_without_a_new_warning() -> None:
+    """dataclasses.replace passed the hidden field back to __init__, which refused it by name."""
+    base = matepoint.OffloadOptions(min_offload_bytes=0)
+    changed = dataclasses.replace(base, min_offload_bytes=4096)
+    assert (changed.min_offload_bytes, changed.enabled, changed.pipeline) == (4096, True, None)
+    with pytest.warns(MatepointDeprecationWarning):
+        old = matepoint.OffloadOptions(prefetch=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = dataclasses.replace(old, pipeline=False)
+    assert again.deprecated_settings == (("prefetch", 0),)
+    resolved = _options.resolve(again)
+    assert resolved is not None
+    assert (resolved.prefetch, resolved.pipelined) == (0, False)
+    with pytest.raises(TypeError, match="deprecated_settings"):
+        matepoint.OffloadOptions(deprecated_settings=(("bogus", 1),))
+
+
+def test_options_blocks_overlapping_in_two_threads_undo_only_their_own_fields() -> None:
+    """A enters, B enters, A leaves, B leaves: each block restores exactly what it set."""
+    before = matepoint.get_options()
+    a_entered, b_entered, a_left = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, tuple[int, bool]] = {}
+    failures: list[BaseException] = []
+
+    def snapshot(label: str) -> None:
+        current = matepoint.get_options()
+        seen[label] = (current.prefetch, current.measure_waits)
+
+    def thread_a() -> None:
+        try:
+            with matepoint.options(prefetch=5):
+                a_entered.set()
+                assert b_entered.wait(10)
+            a_left.set()
+        except BaseException as error:  # reported by the main thread
+            failures.append(error)
+            a_left.set()
+
+    def thread_b() -> None:
+        try:
+            assert a_entered.wait(10)
+            with matepoint.options(measure_waits=False):
+                b_entered.set()
+                assert a_left.wait(10)
+                snapshot("b after a left")
+        except BaseException as error:
+            failures.append(error)
+            b_entered.set()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert not failures, failures
+    assert seen["b after a left"] == (before.prefetch, False)
+    assert matepoint.get_options() == before
+
+
+def test_configure_inside_a_block_stays_after_it() -> None:
+    before = matepoint.get_options()
+    try:
+        with matepoint.options(prefetch=7, stash_bytes=11):
+            assert matepoint.configure(prefetch=3).prefetch == 3
+            assert matepoint.get_options().stash_bytes == 11
+        assert (matepoint.get_options().prefetch, matepoint.get_options().stash_bytes) == (
+            3,
+            before.stash_bytes,
+        )
+    finally:
+        matepoint.configure(**dataclasses.asdict(before))
+
+
+def test_a_pipeline_that_is_not_a_bool_is_refused_everywhere() -> None:
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(TypeError, match=r"pipeline= must be True or False, got 'no'"):
+        matepoint.checkpoint(torch.sin, x, pipeline="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pipeline="):
+        matepoint.checkpoint(pipeline="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"OffloadOptions\.pipeline must be True, False or None"):
+        matepoint.OffloadOptions(pipeline="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"OffloadOptions\.enabled must be True or False"):
+        matepoint.OffloadOptions(enabled="no")  # type: ignore[arg-type]
+
+
+def test_a_decorated_function_warns_about_0_1_keywords_at_the_callers_line() -> None:
+    block = matepoint.checkpoint()(torch.sin)
+    x = torch.randn(4, 16, requires_grad=True)
+    line = inspect.currentframe().f_lineno + 2  # type: ignore[union-attr]
+    with pytest.warns(MatepointDeprecationWarning, match="stream=") as caught:
+        block(x, stream=None)
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+
+
+def test_settings_errors_name_the_call_and_the_unit() -> None:
+    with pytest.raises(ValueError, match=r"matepoint\.configure: .*stash_bytes.*number of bytes"):
+        matepoint.configure(stash_bytes="1GB")
+    with (
+        pytest.raises(ValueError, match=r"matepoint\.options: .*prefetch must be an int >= 0"),
+        matepoint.options(prefetch=-1),
+    ):
+        pass
+
+
+def test_a_setting_passed_to_checkpoint_says_where_it_belongs() -> None:
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(TypeError, match=r"'prefetch'.*matepoint\.configure\(prefetch=4\)"):
+        matepoint.checkpoint(torch.sin, x, prefetch=4)
+    with pytest.raises(TypeError, match=r"OffloadOptions\(min_offload_bytes=0\)"):
+        matepoint.checkpoint(torch.sin, x, min_offload_bytes=0)
+
+    def takes_prefetch(h: torch.Tensor, prefetch: int) -> torch.Tensor:
+        return h * prefetch
+
+    y = matepoint.checkpoint(takes_prefetch, x, prefetch=4)  # its own keyword: passed on
+    torch.testing.assert_close(y, x * 4)

@@ -15,7 +15,7 @@ import torch
 
 from matepoint_compat._deprecation import warn_deprecated
 
-__all__ = ["pop_legacy_checkpoint_kwargs"]
+__all__ = ["accepts_keyword", "pop_legacy_checkpoint_kwargs"]
 
 # keyword -> what replaces it
 _LEGACY_KWARGS = {
@@ -27,7 +27,7 @@ _LEGACY_KWARGS = {
 }
 
 
-def _accepts_keyword(function: Callable[..., object], name: str) -> bool:
+def accepts_keyword(function: Callable[..., object], name: str) -> bool:
     """Whether ``function(**{name: ...})`` would bind: a parameter of that name, or ``**kwargs``."""
     # A module's __call__ takes (*args, **kwargs); what it accepts is its forward's signature.
     target = function.forward if isinstance(function, torch.nn.Module) else function
@@ -70,7 +70,7 @@ def pop_legacy_checkpoint_kwargs(
         {'stream': None}
     """
     for key, replacement in _LEGACY_KWARGS.items():
-        if key in kwargs and not (function is not None and _accepts_keyword(function, key)):
+        if key in kwargs and not (function is not None and accepts_keyword(function, key)):
             del kwargs[key]
             # 3: past this function and its caller (checkpoint), as warn_deprecated counts.
             warn_deprecated(f"`{key}=`", replacement=replacement, stacklevel=3)

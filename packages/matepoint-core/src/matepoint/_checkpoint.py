@@ -21,8 +21,13 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import matepoint_compat as compat
 from matepoint import _compiled
-from matepoint._legacy import pipeline_disabled as legacy_pipeline_disabled
-from matepoint._options import OffloadOptions, ResolvedOptions, get_options, resolve
+from matepoint._options import (
+    OffloadOptions,
+    ResolvedOptions,
+    get_options,
+    misplaced_setting_error,
+    resolve,
+)
 from matepoint._saving import pack, unpack
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -209,22 +214,41 @@ def checkpoint(
         ...     return block(h) * scale
         >>> y = mlp(x, scale=2.0)
     """
-    compat.pop_legacy_checkpoint_kwargs(kwargs, function=function)
     if function is None:
         if args:
             raise TypeError("checkpoint() got positional arguments but no function to run")
+        # Checked now, not at the first call: the decorator line is the one to fix.
+        resolve(offload, pipeline)
+        compat.pop_legacy_checkpoint_kwargs(kwargs)
         return _decorator(use_reentrant=use_reentrant, pipeline=pipeline, offload=offload, **kwargs)
+    compat.pop_legacy_checkpoint_kwargs(kwargs, function=function)
+    return _checkpoint(function, args, kwargs, use_reentrant, pipeline, offload)
+
+
+def _checkpoint(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    use_reentrant: bool | None,
+    pipeline: bool,
+    offload: OffloadOptions | bool | None,
+) -> Any:
+    """:func:`checkpoint` once the 0.1.x keywords are gone (the decorator enters here too)."""
     # See Note [The compiled path] (matepoint/_compiled.py); experimental and opt-in.
     if compat.compile_tracing() and get_options().compiled_offload:
         return _compiled.checkpoint(
             function, args, kwargs, use_reentrant=use_reentrant, pipeline=pipeline, offload=offload
         )
     reentrant = True if use_reentrant is None else bool(use_reentrant)
-    options = resolve(offload)
+    options = resolve(offload, pipeline)
     # What is left in kwargs is the function's keyword arguments.
     checkpoint_options = {
         name: kwargs.pop(name) for name in list(kwargs) if name in _CHECKPOINT_OPTION_NAMES
     }
+    if kwargs:
+        error = misplaced_setting_error(kwargs, function)
+        if error is not None:
+            raise error
     adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)
     if (
         options is None
@@ -238,7 +262,7 @@ def checkpoint(
             return torch_checkpoint.checkpoint(
                 function, *args, use_reentrant=use_reentrant, **checkpoint_options, **kwargs
             )
-    pipelined = pipeline and options.pipeline and not legacy_pipeline_disabled()
+    pipelined = options.pipelined
     if not reentrant and _needs_flattening(args, kwargs):
         function, args = _flattened_call(function, args, kwargs)
         kwargs = {}
@@ -250,11 +274,19 @@ def checkpoint(
         )
 
 
-def _decorator(**settings: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _decorator(
+    use_reentrant: bool | None,
+    pipeline: bool,
+    offload: OffloadOptions | bool | None,
+    **checkpoint_kwargs: Any,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(function)
         def checkpointed(*args: Any, **kwargs: Any) -> Any:
-            return checkpoint(function, *args, **settings, **kwargs)
+            # Here, so that a 0.1.x keyword's warning points at the caller's line.
+            compat.pop_legacy_checkpoint_kwargs(kwargs, function=function)
+            merged = {**checkpoint_kwargs, **kwargs}
+            return _checkpoint(function, args, merged, use_reentrant, pipeline, offload)
 
         return checkpointed
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
-from matepoint_compat import warn_deprecated
+from matepoint_compat import accepts_keyword, warn_deprecated
 
 __all__ = [
     "OffloadOptions",
@@ -27,6 +28,7 @@ __all__ = [
     "ResolvedOptions",
     "configure",
     "get_options",
+    "misplaced_setting_error",
     "options",
     "resolve",
     "set_side_stream_delay",
@@ -40,7 +42,14 @@ _MIB = 1 << 20
 
 def _check_count(owner: str, name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{owner}.{name} must be an int >= 0, got {value!r}")
+        unit = " (a number of bytes, e.g. 1 << 30 for 1 GiB)" if name.endswith("_bytes") else ""
+        raise ValueError(f"{owner}.{name} must be an int >= 0{unit}, got {value!r}")
+
+
+def _check_flag(owner: str, name: str, value: object, *, optional: bool = False) -> None:
+    if not isinstance(value, bool) and not (optional and value is None):
+        allowed = "True, False or None" if optional else "True or False"
+        raise ValueError(f"{owner}.{name} must be {allowed}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,20 +121,25 @@ class OffloadSettings:
                 f"{owner}.on_pool_exhausted must be 'pageable' or 'raise', "
                 f"got {self.on_pool_exhausted!r}"
             )
-        flags: tuple[object, ...] = (self.pipeline, self.measure_waits, self.compiled_offload)
-        if not all(isinstance(flag, bool) for flag in flags):
-            raise ValueError(f"{owner}.pipeline, .measure_waits and .compiled_offload must be bool")
+        for name in ("pipeline", "measure_waits", "compiled_offload"):
+            _check_flag(owner, name, getattr(self, name))
 
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedOptions(OffloadSettings):
-    """What one checkpoint call runs with: the settings, its own choices, the test delay."""
+    """What one checkpoint call runs with: the settings and its own choices, resolved once.
+
+    ``pipelined`` is the one answer to "copy on the side stream?": the call's ``pipeline=``
+    argument, the options' ``pipeline`` and the 0.1.x ``matepoint.NOPIPELINE``, all at once.
+    """
 
     side_stream_delay_cycles: int = 0
+    pipelined: bool = True
 
 
 _SETTING_FIELDS = frozenset(field.name for field in dataclasses.fields(OffloadSettings))
 _DEVICE_FIELDS = _SETTING_FIELDS - {"min_offload_bytes", "pipeline", "compiled_offload"}
+_CALL_FIELDS = frozenset({"enabled", "pipeline", "min_offload_bytes"})
 _DELAY = "side_stream_delay_cycles"
 
 
@@ -136,7 +150,8 @@ class OffloadOptions:
     Pass it as ``matepoint.checkpoint(..., offload=OffloadOptions(...))``. Only what can differ
     from call to call is here; the device's resources (pool, stash, in-flight bound,
     look-ahead) are :class:`OffloadSettings`, set with :func:`matepoint.configure`. See
-    Note [Options and settings].
+    Note [Options and settings]. ``dataclasses.replace`` works on it and keeps its deprecated
+    settings without warning again.
 
     Args:
         enabled: ``False`` offloads nothing: the call is torch's checkpoint. Default: ``True``.
@@ -144,6 +159,8 @@ class OffloadOptions:
             takes the settings' ``pipeline``. Default: ``None``.
         min_offload_bytes: Tensors smaller than this stay on the device; ``None`` takes the
             settings' ``min_offload_bytes``. Default: ``None``.
+        deprecated_settings: The deprecated settings already given, as ``(name, value)``
+            pairs (what ``dataclasses.replace`` passes on). Default: none.
         **deprecated: The device settings that 0.2.0 accepted per call (``stash_bytes``,
             ``prefetch``, ``max_inflight_bytes``, ``pool_cap_bytes``, ``on_pool_exhausted``,
             ``measure_waits``, ``side_stream_delay_cycles``). They still apply to the calls that
@@ -172,6 +189,7 @@ class OffloadOptions:
         enabled: bool = True,
         pipeline: bool | None = None,
         min_offload_bytes: int | None = None,
+        deprecated_settings: tuple[tuple[str, Any], ...] = (),
         **deprecated: Any,
     ) -> None:
         unknown = sorted(set(deprecated) - _DEVICE_FIELDS - {_DELAY})
@@ -181,11 +199,16 @@ class OffloadOptions:
                 "min_offload_bytes (device settings go to matepoint.configure: "
                 f"{', '.join(sorted(_DEVICE_FIELDS))})"
             )
+        _check_flag("OffloadOptions", "enabled", enabled)
+        _check_flag("OffloadOptions", "pipeline", pipeline, optional=True)
         if min_offload_bytes is not None:
             _check_count("OffloadOptions", "min_offload_bytes", min_offload_bytes)
-        flags: tuple[object, ...] = (enabled, True if pipeline is None else pipeline)
-        if not all(isinstance(flag, bool) for flag in flags):
-            raise ValueError("OffloadOptions.enabled must be bool, .pipeline bool or None")
+        carried = dict(deprecated_settings)
+        if set(carried) - _DEVICE_FIELDS - {_DELAY}:
+            raise TypeError(
+                "OffloadOptions.deprecated_settings holds what an OffloadOptions was given; "
+                f"got {deprecated_settings!r}"
+            )
         if deprecated:
             # Validate through the settings' own checks, with the settings' defaults elsewhere.
             ResolvedOptions(**deprecated)
@@ -198,34 +221,53 @@ class OffloadOptions:
                     "`matepoint.testing.delay_side_stream`"
                 ),
             )
+        carried.update(deprecated)
         object.__setattr__(self, "enabled", enabled)
         object.__setattr__(self, "pipeline", pipeline)
         object.__setattr__(self, "min_offload_bytes", min_offload_bytes)
-        object.__setattr__(self, "deprecated_settings", tuple(sorted(deprecated.items())))
+        object.__setattr__(self, "deprecated_settings", tuple(sorted(carried.items())))
 
 
+# Note [Settings layers]
+#     The settings in force are the base (what configure() set) with every open options() block
+#     laid over it, in the order the blocks were entered. Leaving a block removes its own layer
+#     and nothing else, so blocks that overlap in two threads (A enters, B enters, A leaves, B
+#     leaves) each undo exactly their own fields, whatever the order they leave in. configure()
+#     changes the base for good and wins over open blocks for the fields it names (they no
+#     longer restore those). The settings object in force is rebuilt only when a layer or the
+#     base changes, so get_options() returns the same object while nothing changes.
 _lock = threading.Lock()
-_defaults = OffloadSettings()
+_base = OffloadSettings()
+_layers: list[dict[str, Any]] = []
+_defaults = _base
 _side_stream_delay = 0
-# The last resolution, reused while neither the settings nor the call's options change (both are
-# frozen and held here, so identity is a safe key). See resolve().
-_last: tuple[OffloadSettings, OffloadOptions | None, int, ResolvedOptions] | None = None
+# The last resolution, reused while neither the settings nor the call's choices change (the
+# settings and options are frozen and held here, so identity is a safe key). See resolve().
+_last: tuple[OffloadSettings, OffloadOptions | None, int, bool, bool, ResolvedOptions] | None = None
 
 
-def _replace(fields: dict[str, Any], stacklevel: int) -> tuple[OffloadSettings, OffloadSettings]:
-    """Apply ``fields`` to the settings; return the settings before and after.
-
-    Everything is checked before anything changes. The deprecated test delay is applied here,
-    its warning attributed ``stacklevel`` frames up (counted as ``warn_deprecated`` counts).
-    """
+def _rebuild() -> OffloadSettings:
+    """Recompute the settings in force from the base and the open layers (under ``_lock``)."""
     global _defaults
+    merged: dict[str, Any] = {}
+    for layer in _layers:
+        merged.update(layer)
+    _defaults = dataclasses.replace(_base, **merged) if merged else _base
+    return _defaults
+
+
+def _checked(fields: dict[str, Any], owner: str, stacklevel: int) -> dict[str, Any]:
+    """Check ``fields`` as settings and return them without the deprecated test delay.
+
+    Everything is checked before anything changes; the delay's warning is attributed
+    ``stacklevel`` frames up (counted as ``warn_deprecated`` counts).
+    """
     unknown = sorted(set(fields) - _SETTING_FIELDS - {_DELAY})
     if unknown:
         raise TypeError(
-            f"unknown offload setting(s) {', '.join(unknown)}; "
+            f"unknown offload setting(s) {', '.join(unknown)} for {owner}; "
             f"valid: {', '.join(sorted(_SETTING_FIELDS))}"
         )
-    settings = {name: value for name, value in fields.items() if name != _DELAY}
     if _DELAY in fields:
         warn_deprecated(
             f"`{_DELAY}=` in `matepoint.configure`/`matepoint.options`",
@@ -233,12 +275,12 @@ def _replace(fields: dict[str, Any], stacklevel: int) -> tuple[OffloadSettings, 
             stacklevel=stacklevel,
         )
         _check_count("settings", _DELAY, fields[_DELAY])
-    with _lock:
-        previous = _defaults
-        _defaults = dataclasses.replace(previous, **settings)
-        if _DELAY in fields:
-            set_side_stream_delay(fields[_DELAY])
-        return previous, _defaults
+    settings = {name: value for name, value in fields.items() if name != _DELAY}
+    try:
+        dataclasses.replace(_base, **settings)
+    except ValueError as error:
+        raise ValueError(f"{owner}: {error}") from None
+    return settings
 
 
 def get_options() -> OffloadSettings:
@@ -255,6 +297,9 @@ def get_options() -> OffloadSettings:
 def configure(**fields: Any) -> OffloadSettings:
     """Change the process-wide offload settings; fields not named keep their value.
 
+    The change is for good: it also wins over an open :func:`options` block that set the same
+    field (that block no longer restores it). See Note [Settings layers].
+
     Args:
         **fields: Any fields of :class:`OffloadSettings`.
 
@@ -270,7 +315,16 @@ def configure(**fields: Any) -> OffloadSettings:
         >>> _ = matepoint.configure(prefetch=3)
         >>> _ = matepoint.configure(prefetch=2)
     """
-    return _replace(fields, stacklevel=3)[1]
+    global _base
+    settings = _checked(fields, "matepoint.configure", stacklevel=3)
+    with _lock:
+        if _DELAY in fields:
+            set_side_stream_delay(fields[_DELAY])
+        _base = dataclasses.replace(_base, **settings)
+        for layer in _layers:
+            for name in settings:
+                layer.pop(name, None)
+        return _rebuild()
 
 
 @contextlib.contextmanager
@@ -278,8 +332,10 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
     """Change the process-wide settings inside a ``with`` block, restoring them after.
 
     They are restored also when the block raises. The settings are process-wide, not per
-    thread: other threads see the change while the block runs. Each checkpoint call resolves
-    its options in forward, so a backward after the block still uses what its forward saw.
+    thread: other threads see the change while the block runs. Leaving the block undoes only
+    its own fields, so blocks in several threads may overlap and end in any order (see
+    Note [Settings layers]). Each checkpoint call resolves its options in forward, so a
+    backward after the block still uses what its forward saw.
 
     Args:
         **fields: Any fields of :class:`OffloadSettings`.
@@ -298,15 +354,25 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
         ...     loss = matepoint.checkpoint(torch.sin, x).sum()
         >>> loss.backward()
     """
-    global _defaults
+    layer = _checked(fields, "matepoint.options", stacklevel=4)
     previous_delay = _side_stream_delay
-    previous, current = _replace(fields, stacklevel=4)
+    with _lock:
+        if _DELAY in fields:
+            set_side_stream_delay(fields[_DELAY])
+        _layers.append(layer)
+        current = _rebuild()
     try:
         yield current
     finally:
         with _lock:
-            _defaults = previous
-        set_side_stream_delay(previous_delay)
+            # By identity: two blocks may set equal fields.
+            for index, open_layer in enumerate(_layers):
+                if open_layer is layer:
+                    del _layers[index]
+                    break
+            _rebuild()
+            if _DELAY in fields:
+                set_side_stream_delay(previous_delay)
 
 
 def side_stream_delay() -> int:
@@ -321,36 +387,93 @@ def set_side_stream_delay(cycles: int) -> None:
     _side_stream_delay = cycles
 
 
-def resolve(call: OffloadOptions | bool | None) -> ResolvedOptions | None:
-    """Combine the settings in force with a call's ``offload=``; None when it offloads nothing.
+def _legacy_pipeline_disabled() -> bool:
+    """Whether 0.1.x code set ``matepoint.NOPIPELINE`` true (read on every call)."""
+    module = sys.modules.get("matepoint")
+    return module is not None and bool(vars(module).get("NOPIPELINE", False))
 
-    ``None`` and ``True`` take the settings alone; ``False``, or options with ``enabled=False``,
-    offload nothing. A training loop makes the same call many times, so the last result is reused
-    as long as the settings, the call's options and the test delay are the same objects and value.
+
+def misplaced_setting_error(
+    function_kwargs: dict[str, Any], function: Callable[..., object]
+) -> TypeError | None:
+    """The error for an offload option or setting passed as a keyword of ``checkpoint`` itself.
+
+    ``checkpoint(fn, x, prefetch=4)`` would reach ``fn`` as a keyword argument and fail there
+    with Python's bare "unexpected keyword argument". A name ``function`` itself takes is its own
+    business and is left alone.
+    """
+    misplaced = sorted(
+        name
+        for name in function_kwargs
+        if (name in _SETTING_FIELDS or name in _CALL_FIELDS or name == _DELAY)
+        and not accepts_keyword(function, name)
+    )
+    if not misplaced:
+        return None
+    name = misplaced[0]
+    value = function_kwargs[name]
+    if name in _CALL_FIELDS:
+        where = f"pass offload=matepoint.OffloadOptions({name}={value!r}) for this call"
+    else:
+        where = (
+            f"it is a device setting: matepoint.configure({name}={value!r}), or "
+            f"`with matepoint.options({name}={value!r}):` around the calls"
+        )
+    return TypeError(
+        f"checkpoint() got an unexpected keyword argument {name!r}, which the checkpointed "
+        f"function does not take; {where}"
+    )
+
+
+def _check_offload_argument(call: object) -> None:
+    if call is None or isinstance(call, (bool, OffloadOptions)):
+        return
+    raise TypeError(
+        "checkpoint() offload= must be an OffloadOptions, True, False or None, "
+        f"got {type(call).__name__}"
+        + (
+            "; device settings are set with matepoint.configure(...) or matepoint.options(...)"
+            if isinstance(call, OffloadSettings)
+            else ""
+        )
+    )
+
+
+def resolve(call: OffloadOptions | bool | None, pipeline: bool = True) -> ResolvedOptions | None:
+    """What one checkpoint call does: the settings in force, its ``offload=`` and ``pipeline=``.
+
+    The one place that decides it, for the eager and the compiled path alike. ``None`` and
+    ``True`` take the settings alone; ``False``, or options with ``enabled=False``, offload
+    nothing (None is returned). The result's ``pipelined`` combines the call's ``pipeline=``,
+    the options' ``pipeline`` and the 0.1.x ``matepoint.NOPIPELINE``. A training loop makes the
+    same call many times, so the last result is reused while nothing it depends on changes.
 
     Raises:
-        TypeError: For an ``offload=`` that is not an :class:`OffloadOptions`, a bool or None.
+        TypeError: For an ``offload=`` that is not an :class:`OffloadOptions`, a bool or None,
+            or a ``pipeline=`` that is not a bool.
     """
     global _last
+    if pipeline is not True and pipeline is not False:
+        raise TypeError(f"checkpoint() pipeline= must be True or False, got {pipeline!r}")
     if call is False:
         return None
     if call is True:
         call = None
-    elif call is not None and not isinstance(call, OffloadOptions):
-        raise TypeError(
-            "checkpoint() offload= must be an OffloadOptions, True, False or None, "
-            f"got {type(call).__name__}"
-            + (
-                "; device settings are set with matepoint.configure(...) or matepoint.options(...)"
-                if isinstance(call, OffloadSettings)
-                else ""
-            )
-        )
+    else:
+        _check_offload_argument(call)
     settings = _defaults
     delay = _side_stream_delay
+    legacy_off = _legacy_pipeline_disabled()
     last = _last
-    if last is not None and last[0] is settings and last[1] is call and last[2] == delay:
-        return last[3]
+    if (
+        last is not None
+        and last[0] is settings
+        and last[1] is call
+        and last[2] == delay
+        and last[3] == pipeline
+        and last[4] == legacy_off
+    ):
+        return last[5]
     if call is not None and not call.enabled:
         return None
     fields = dataclasses.asdict(settings)
@@ -361,6 +484,7 @@ def resolve(call: OffloadOptions | bool | None) -> ResolvedOptions | None:
             fields["pipeline"] = call.pipeline
         if call.min_offload_bytes is not None:
             fields["min_offload_bytes"] = call.min_offload_bytes
+    fields["pipelined"] = pipeline and fields["pipeline"] and not legacy_off
     resolved = ResolvedOptions(**fields)
-    _last = (settings, call, delay, resolved)
+    _last = (settings, call, delay, pipeline, legacy_off, resolved)
     return resolved
