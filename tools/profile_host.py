@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from matepoint_examples._bench_worker import _one_step
 from matepoint_examples._workloads import build, get_workload
+from matepoint_examples.bench._worker import _one_step
 from matepoint_examples.strategies import get_strategy
 
 

@@ -116,7 +116,7 @@ def check_workload(
 ) -> list[dict[str, Any]]:
     """Plan ``workload``, then measure each strategy on ``device``; one row per strategy.
 
-    Each measurement is the benchmark worker's (:func:`matepoint_examples._bench_worker.
+    Each measurement is the benchmark worker's (:func:`matepoint_examples.bench._worker.
     run_train`), in this process: memory is released and the pinned pool emptied between
     strategies so that each starts from the same state.
 
@@ -129,7 +129,7 @@ def check_workload(
     Returns:
         Rows with ``predicted`` and ``measured`` dicts of the same keys.
     """
-    from matepoint_examples._bench_worker import run_train
+    from matepoint_examples.bench._worker import run_train
 
     started = time.perf_counter()
     memory_plan = plan_workload(workload)

@@ -10,10 +10,10 @@ model can run under several strategies in turn, which is how ``matepoint-bench``
 Three strategies compile the whole model with ``torch.compile`` (``torch-compile``,
 ``torch-compiled-offload``, ``matepoint-compile``); a strategy's ``compiled`` spec says how, and
 :meth:`Strategy.forward_fn` gives each its own compiled forward of a model (see
-:mod:`matepoint_examples._compiled`).
+:mod:`matepoint_examples.bench._compiled`).
 
 Besides the peers, the registry holds probes (``probe=True``, run only when named): the
-copies-only floor and its variants (see :mod:`matepoint_examples._floor`), a forward with the
+copies-only floor and its variants (see :mod:`matepoint_examples.bench._floor`), a forward with the
 link kept busy, and matepoint with one feature switched off.
 """
 
@@ -33,7 +33,7 @@ from torch import Tensor
 
 import matepoint
 import matepoint_compat
-from matepoint_examples._compiled import (
+from matepoint_examples.bench._compiled import (
     MARKS,
     CompiledForward,
     CompileSpec,
@@ -41,7 +41,7 @@ from matepoint_examples._compiled import (
     torch_offload_settings,
     torch_offload_unavailable,
 )
-from matepoint_examples._floor import CopyFloor, LinkBusy
+from matepoint_examples.bench._floor import CopyFloor, LinkBusy
 from matepoint_examples.models import CheckpointFn, no_checkpoint
 
 __all__ = ["DEFAULT_STRATEGIES", "STRATEGIES", "Strategy", "get_strategy", "strategy_names"]

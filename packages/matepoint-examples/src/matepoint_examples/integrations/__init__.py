@@ -7,7 +7,7 @@
   :func:`matepoint.integrations.apply_matepoint_checkpointing`.
 - ``python -m matepoint_examples.integrations.torch_compile``: ``torch.compile``-d blocks inside
   ``matepoint.checkpoint``.
-- ``torchrun ... -m matepoint_examples.distributed``: DDP and FSDP2 (see that module).
+- ``torchrun ... -m matepoint_examples.bench.distributed``: DDP and FSDP2 (see that module).
 
 Each example trains twins (torch's checkpoint and matepoint's) for a few steps, prints whether
 their losses and parameters agree bitwise and what matepoint moved, and returns 0 when they do.

@@ -1,4 +1,4 @@
-"""``--checkpoint paired`` of :mod:`matepoint_examples.distributed`: switch, schedule, summary.
+"""``--checkpoint paired`` of :mod:`.distributed`: the switch, the schedule, the summary.
 
 Torch's and matepoint's checkpoint alternate step by step on one model, so the ratio of their
 step times is measured within one run, where separate runs differ by up to 10% on a GPU host.
@@ -15,7 +15,7 @@ from typing import Any
 import torch.utils.checkpoint
 
 from matepoint.integrations import matepoint_checkpoint_fn
-from matepoint_examples._paired import quartiles, round_order
+from matepoint_examples.bench._paired import quartiles, round_order
 
 __all__ = ["PAIRED", "CheckpointSwitch", "paired_line", "paired_summary", "step_schedule"]
 
@@ -68,7 +68,7 @@ def step_schedule(args: argparse.Namespace) -> list[str]:
     """The checkpoint each step runs: ``--steps`` times the one asked, or paired warm-up + rounds.
 
     Paired: the warm-up alternates the two checkpoints; round ``r`` runs each once, in
-    :func:`matepoint_examples._paired.round_order` (rotated by one every round), so neither
+    :func:`matepoint_examples.bench._paired.round_order` (rotated by one every round), so neither
     always runs first or always follows the other.
     """
     if args.checkpoint != "paired":

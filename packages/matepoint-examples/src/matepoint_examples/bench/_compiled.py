@@ -45,7 +45,7 @@ from torch import Tensor
 
 import matepoint
 import matepoint_compat
-from matepoint_examples._compile_caches import CompileStepCaches
+from matepoint_examples.bench._compile_caches import CompileStepCaches
 
 __all__ = [
     "TORCH_COMPILED_OFFLOAD",
@@ -398,7 +398,7 @@ class CompiledForward:
 
         Besides the graph counts: what the compile caches did in the compile step (the first
         forward and its backward, which compiles lazily; ended by :meth:`end_compile_step`), as
-        :class:`~matepoint_examples._compile_caches.CompileStepCaches` says. An AOTAutograd
+        :class:`~matepoint_examples.bench._compile_caches.CompileStepCaches` says. An AOTAutograd
         ``hit`` means the joint pass and the partitioner did not run in this process, so a
         strategy's marks count 0 (the row says so, as ``partitioner``); ``rng_replay`` says
         when :func:`cacheable_rng_settings` changed how random ops are replayed.

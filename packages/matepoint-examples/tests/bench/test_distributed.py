@@ -1,4 +1,4 @@
-"""``python -m matepoint_examples.distributed``: DDP and FSDP2 runs match a single process.
+"""``python -m matepoint_examples.bench.distributed``: DDP and FSDP2 runs match a single process.
 
 Each distributed test launches two CPU processes with gloo through torchrun (tiny model, three
 steps) and compares the final parameters with a single-process run over the full batch, trained
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import matepoint
 import matepoint_compat
-from matepoint_examples import distributed
+from matepoint_examples.bench import distributed
 from matepoint_examples.strategies import get_strategy
 
 TINY = shlex.split("--depth 3 --width 32 --heads 4 --tokens 16 --batch 4 --vocab-size 64 --steps 3")
@@ -83,7 +83,7 @@ def _torchrun(tmp_path: Path, *args: str) -> dict[str, Any]:
         "--nproc-per-node",
         "2",
         "-m",
-        "matepoint_examples.distributed",
+        "matepoint_examples.bench.distributed",
         *args,
         "--out",
         str(out),

@@ -18,10 +18,11 @@ import torch
 from torch import Tensor
 
 import matepoint_compat
-from matepoint_examples import _bench_report as report
-from matepoint_examples import _compiled, bench
-from matepoint_examples._paired import StrategySwitch, run_paired
 from matepoint_examples._workloads import Workload, build, get_workload
+from matepoint_examples.bench import _compiled
+from matepoint_examples.bench import _report as report
+from matepoint_examples.bench import cli as bench
+from matepoint_examples.bench._paired import StrategySwitch, run_paired
 from matepoint_examples.strategies import get_strategy
 
 CPU = torch.device("cpu")

@@ -1,5 +1,5 @@
 """Tests for what the compile caches did in a compiled strategy's compile step
-(``matepoint_examples._compile_caches``, read through ``CompiledForward.report``)."""
+(``matepoint_examples.bench._compile_caches``, read through ``CompiledForward.report``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 import matepoint_compat
-from matepoint_examples import _compiled
+from matepoint_examples.bench import _compiled
 from matepoint_examples.strategies import get_strategy
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Parameters across ranks for :mod:`matepoint_examples.distributed`: gather, norm, compare."""
+"""Parameters across ranks for :mod:`.distributed`: gather, norm, compare."""
 
 from __future__ import annotations
 

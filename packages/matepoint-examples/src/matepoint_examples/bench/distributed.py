@@ -27,9 +27,9 @@ model as either would alone; still, this mode only measures time, and parity wit
 process is what the other modes check.
 
 Example:
-    torchrun --nproc-per-node 2 -m matepoint_examples.distributed --mode ddp --out ddp.json
-    python -m matepoint_examples.distributed --mode single --save-params ref.pt --out ref.json
-    torchrun --nproc-per-node 2 -m matepoint_examples.distributed --mode ddp \
+    torchrun --nproc-per-node 2 -m matepoint_examples.bench.distributed --mode ddp --out ddp.json
+    python -m matepoint_examples.bench.distributed --mode single --save-params ref.pt --out ref.json
+    torchrun --nproc-per-node 2 -m matepoint_examples.bench.distributed --mode ddp \
         --checkpoint paired --warmup 6 --rounds 20 --out paired.json
 """
 
@@ -62,20 +62,20 @@ from torch import Tensor, nn
 import matepoint
 import matepoint_compat
 from matepoint.integrations import apply_matepoint_checkpointing
-from matepoint_examples._distributed_paired import (
+from matepoint_examples._runtime import rss_bytes, synchronize
+from matepoint_examples.bench._distributed_paired import (
     PAIRED,
     CheckpointSwitch,
     paired_line,
     paired_summary,
     step_schedule,
 )
-from matepoint_examples._distributed_params import (
+from matepoint_examples.bench._distributed_params import (
     checksums,
     compare_params,
     full_params,
     grad_norm,
 )
-from matepoint_examples._runtime import rss_bytes, synchronize
 from matepoint_examples.models import (
     DeepLatentConfig,
     DeepLatentStack,
@@ -132,7 +132,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         The parsed options.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m matepoint_examples.distributed",
+        prog="python -m matepoint_examples.bench.distributed",
         description="Train an example model with checkpointed blocks: single, DDP or FSDP2.",
     )
     parser.add_argument("--model", choices=("latent", "gpt"), default="latent")

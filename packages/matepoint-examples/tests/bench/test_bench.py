@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from matepoint_examples import _bench_report as report
-from matepoint_examples import _paired, bench
-from matepoint_examples._bench_worker import write_partial
 from matepoint_examples._workloads import WORKLOADS, build, get_workload
+from matepoint_examples.bench import _paired
+from matepoint_examples.bench import _report as report
+from matepoint_examples.bench import cli as bench
+from matepoint_examples.bench._worker import write_partial
 from matepoint_examples.models import no_checkpoint
 
 TINY = ["--depth", "2", "--width", "32", "--heads", "2", "--batch", "1", "--tokens", "16"]

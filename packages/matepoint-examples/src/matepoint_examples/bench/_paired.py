@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from matepoint_examples._bench_worker import environment, held_forward, write_partial
-from matepoint_examples._compiled import CompiledForward
 from matepoint_examples._runtime import synchronize
-from matepoint_examples._trace import trace_step
 from matepoint_examples._workloads import Built, Workload, build
+from matepoint_examples.bench._compiled import CompiledForward
+from matepoint_examples.bench._trace import trace_step
+from matepoint_examples.bench._worker import environment, held_forward, write_partial
 from matepoint_examples.strategies import Strategy, get_strategy
 
 __all__ = [

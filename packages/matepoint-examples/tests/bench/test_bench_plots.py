@@ -1,4 +1,4 @@
-"""Tests for matepoint_examples._bench_plots: PNG plots from fake rows."""
+"""Tests for matepoint_examples.bench._plots: PNG plots from fake rows."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 from _report_rows import _paired_rows, _rows
 
-from matepoint_examples import _bench_plots as plots
+from matepoint_examples.bench import _plots as plots
 
 
 def test_plots_write_pngs(tmp_path: Path) -> None:

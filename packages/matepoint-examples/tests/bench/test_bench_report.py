@@ -1,4 +1,4 @@
-"""Tests for matepoint_examples._bench_report: tables, markdown and JSON from fake rows."""
+"""Tests for matepoint_examples.bench._report: tables, markdown and JSON from fake rows."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from _report_rows import _paired_rows, _rows
 from rich.console import Console
 
-from matepoint_examples import _bench_report as report
+from matepoint_examples.bench import _report as report
 
 
 def test_ratio_cell() -> None:

@@ -2,9 +2,9 @@
 
 Each measurement runs in its own process so that one strategy's allocator state, pinned pool and
 resident memory never leak into the next one's numbers, and an out-of-memory failure costs one
-row, not the run. The paired worker (:mod:`matepoint_examples._paired`) shares two helpers from
-here: the held-after-forward measurement and the partial-result file a killed worker leaves
-behind.
+row, not the run. The paired worker (:mod:`matepoint_examples.bench._paired`) shares two
+helpers from here: the held-after-forward measurement and the partial-result file a killed
+worker leaves behind.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 import matepoint
-from matepoint_examples._compiled import CompiledForward
 from matepoint_examples._runtime import (
     allocated_bytes,
     parameter_bytes,
@@ -35,6 +34,7 @@ from matepoint_examples._runtime import (
     synchronize,
 )
 from matepoint_examples._workloads import Built, Workload, build
+from matepoint_examples.bench._compiled import CompiledForward
 from matepoint_examples.strategies import Strategy, get_strategy
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Tests for matepoint_examples._trace: one profiled step reduced to per-phase figures."""
+"""Tests for matepoint_examples.bench._trace: one profiled step reduced to per-phase figures."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from matepoint_examples._trace import FORWARD_MARK, summarize_trace
+from matepoint_examples.bench._trace import FORWARD_MARK, summarize_trace
 
 
 def _event(cat: str, name: str, ts: float, dur: float, **args: Any) -> dict[str, Any]:

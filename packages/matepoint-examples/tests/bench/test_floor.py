@@ -1,4 +1,4 @@
-"""Tests for matepoint_examples._floor: the copies-only floor's traffic on CPU tiny models."""
+"""Tests for matepoint_examples.bench._floor: the copies-only floor's traffic on CPU tiny models."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 import matepoint
-from matepoint_examples._floor import CopyFloor, LinkBusy
+from matepoint_examples.bench._floor import CopyFloor, LinkBusy
 from matepoint_examples.models import GPTConfig, NanoGPT
 from matepoint_examples.strategies import get_strategy
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from matepoint_examples._bench_report import Row
+from matepoint_examples.bench._report import Row
 
 __all__ = ["plot_memory_vs_depth", "plot_step_time_ratio", "plot_timelines"]
 

@@ -4,7 +4,7 @@ The benchmark reproduces the design's performance table in one run. Step times a
 *paired*: one process per workload builds one model and optimizer and alternates the strategies
 step by step, and each strategy's ratio to ``torch.utils.checkpoint`` is the median over rounds
 of its step over torch's step in the same round, with the interquartile range (see
-:mod:`matepoint_examples._paired`). Memory is measured with one process per (workload,
+:mod:`matepoint_examples.bench._paired`). Memory is measured with one process per (workload,
 strategy), so that no strategy's allocator state or pinned pool leaks into another's numbers:
 device bytes held after forward, peak device memory, host RAM added, matepoint's bytes offloaded
 and link throughput. A transfer-bound micro-benchmark compares matepoint's offload and fetch
@@ -31,10 +31,6 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from matepoint_examples import _bench_plots as plots
-from matepoint_examples import _bench_report as report
-from matepoint_examples._bench_worker import environment, run_train, run_transfer
-from matepoint_examples._paired import REFERENCE, run_paired
 from matepoint_examples._runtime import resolve_device
 from matepoint_examples._workloads import (
     CPU_WORKLOADS,
@@ -42,6 +38,10 @@ from matepoint_examples._workloads import (
     WORKLOADS,
     get_workload,
 )
+from matepoint_examples.bench import _plots as plots
+from matepoint_examples.bench import _report as report
+from matepoint_examples.bench._paired import REFERENCE, run_paired
+from matepoint_examples.bench._worker import environment, run_train, run_transfer
 from matepoint_examples.strategies import DEFAULT_STRATEGIES, STRATEGIES
 
 __all__ = ["main", "run_worker_subprocess"]
@@ -165,7 +165,7 @@ def run_worker_subprocess(worker_args: Sequence[str], timeout: float) -> dict[st
         :func:`_timed_out`); else a row with ``status`` ``"error"`` saying what went wrong.
     """
     env = dict(os.environ)
-    src = str(Path(__file__).resolve().parent.parent)
+    src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix="matepoint-bench-") as folder:
         partial = Path(folder) / "partial.json"

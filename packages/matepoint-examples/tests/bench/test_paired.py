@@ -1,4 +1,4 @@
-"""Tests for matepoint_examples._paired: ratios, quartiles, rotation and a tiny CPU run."""
+"""Tests for matepoint_examples.bench._paired: ratios, quartiles, rotation and a tiny CPU run."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ import pytest
 import torch
 from torch import Tensor
 
-from matepoint_examples import _paired, strategies
-from matepoint_examples._bench_worker import write_partial
-from matepoint_examples._paired import (
+from matepoint_examples import strategies
+from matepoint_examples._workloads import get_workload
+from matepoint_examples.bench import _paired
+from matepoint_examples.bench._paired import (
     StrategySwitch,
     per_round_ratios,
     quartiles,
     round_order,
     run_paired,
 )
-from matepoint_examples._workloads import get_workload
+from matepoint_examples.bench._worker import write_partial
 from matepoint_examples.strategies import get_strategy
 
 CPU = torch.device("cpu")
