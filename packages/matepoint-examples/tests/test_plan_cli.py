@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from matepoint_examples import _planning
 from matepoint_examples import plan as plan_cli
 from matepoint_examples._workloads import get_workload
+from matepoint_examples.models import GPTConfig, NanoGPT
 
 TINY_LATENT = ["--model", "cpu-small", "--depth", "4", "--width", "64", "--heads", "2"]
 TINY_LATENT += ["--batch", "2", "--seq", "512", "--min-offload", "0"]
@@ -78,3 +81,47 @@ def test_seven_billion_gpt_two_blocks_plans_in_seconds(tmp_path: Path) -> None:
     assert time.perf_counter() - started < 30
     matepoint_plan = json.loads(out_json.read_text())["plan"]["strategies"]["matepoint"]
     assert matepoint_plan["bytes_to_host"] == 2 * 2048 * 4096 * 2  # two block inputs, bf16
+
+
+def test_a_changed_gpt_is_described_and_reported_as_planned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, the line said "gpt12: nanochat-style GPT depth 12 ..." and the JSON "heads": 6
+    # whatever --depth and --width planned.
+    out_json = tmp_path / "plan.json"
+    args = ["--model", "gpt12", "--depth", "3", "--width", "256", "--head-dim", "64"]
+    args += ["--batch", "1", "--seq", "64", "--vocab", "512", "--json", str(out_json)]
+    assert plan_cli.main(args) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("gpt12 with depth 3 (not 12), width 256 (not 768), heads 4 (not 6),")
+    assert "nanochat-style GPT, depth 3, width 256, 4 heads of 64, batch 1, seq 64" in first
+    assert "depth 12" not in first
+    config = GPTConfig(depth=3, width=256, head_dim=64, seq_len=64, vocab_size=512)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in NanoGPT(config).parameters())
+    assert f"{parameters / 1e9:.2f} B parameters" in first
+    model = json.loads(out_json.read_text())["model"]
+    assert (model["depth"], model["width"], model["heads"], model["head_dim"]) == (3, 256, 4, 64)
+    assert model["parameters"] == parameters
+    assert model["description"].startswith("nanochat-style GPT, depth 3, width 256, 4 heads")
+
+
+def test_a_gpt_takes_its_head_dim_from_heads_and_rejects_a_mismatch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    gpt = get_workload("gpt12")
+    assert gpt.with_overrides(width=512, heads=8).head_dim == 64
+    assert gpt.with_overrides(width=512).heads == 4
+    with pytest.raises(ValueError, match=r"heads x head_dim must equal its width: 8 x 32 != 512"):
+        gpt.with_overrides(width=512, heads=8, head_dim=32)
+    assert plan_cli.main(["--model", "cpu-small", "--width", "250"]) == 2
+    assert "heads (4) must divide width (250)" in capsys.readouterr().out
+
+
+def test_help_gives_the_shape_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        plan_cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal
+    for flag, value in (("depth", 12), ("width", 768), ("batch", 8), ("seq", 2048)):
+        assert re.search(rf"--{flag} \S+ [^-]*\(default: the model's; gpt12: {value}\)", text), flag
+    assert "deep96 deep latent stack, 96 blocks, width 1536" in text

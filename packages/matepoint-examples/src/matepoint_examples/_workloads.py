@@ -10,12 +10,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from matepoint_examples._runtime import format_bytes
 from matepoint_examples.models import (
     CheckpointFn,
     DeepLatentConfig,
     DeepLatentStack,
     GPTConfig,
     NanoGPT,
+    no_checkpoint,
 )
 
 __all__ = ["WORKLOADS", "Built", "Workload", "build", "get_workload"]
@@ -32,7 +34,8 @@ class Workload:
         kind: ``"latent"`` for a :class:`DeepLatentStack`, ``"gpt"`` for a :class:`NanoGPT`.
         depth: Number of checkpointed blocks.
         width: Model dimension.
-        heads: Attention heads (latent stacks; a GPT uses ``width // head_dim``).
+        heads: Attention heads. A GPT's is ``width // head_dim``, checked (see
+            :meth:`with_overrides`, which keeps the two in step).
         batch: Batch size.
         tokens: Tokens per sample (sequence length for a GPT).
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
@@ -40,7 +43,12 @@ class Workload:
         head_dim: Head dimension (GPT only). Default: ``128``.
         x0_mixing: nanochat's per-layer mixing of the embedding ``x0`` into every block, inside
             the block's checkpoint (GPT only). Default: ``False``.
-        description: One line for reports.
+        note: What the shape is for, beyond its numbers (e.g. ``"compute-light"``); part of
+            :meth:`describe`. Default: ``""``.
+
+    Raises:
+        ValueError: If the heads do not divide the width, or a GPT's ``heads * head_dim`` is not
+            its width.
     """
 
     name: str
@@ -54,7 +62,47 @@ class Workload:
     vocab_size: int = 65536
     head_dim: int = 128
     x0_mixing: bool = False
-    description: str = ""
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        """Reject a shape whose heads do not fit its width (see the class's Raises)."""
+        if self.heads <= 0 or self.width % self.heads:
+            raise ValueError(
+                f"{self.name}: heads ({self.heads}) must divide width ({self.width}); "
+                "pass heads that do"
+            )
+        if self.kind == "gpt" and self.heads * self.head_dim != self.width:
+            raise ValueError(
+                f"{self.name}: a GPT's heads x head_dim must equal its width: {self.heads} x "
+                f"{self.head_dim} != {self.width}"
+            )
+
+    def describe(self) -> str:
+        """Return one line saying what this shape is, from its fields (overrides included).
+
+        Returns:
+            E.g. ``"nanochat-style GPT, depth 32, width 4096, 32 heads of 128, batch 8, seq
+            2048, vocab 65536, bf16"``.
+        """
+        if self.kind == "gpt":
+            model = "nanochat GPT with x0 mixing" if self.x0_mixing else "nanochat-style GPT"
+            text = (
+                f"{model}, depth {self.depth}, width {self.width}, {self.heads} heads of "
+                f"{self.head_dim}, batch {self.batch}, seq {self.tokens}, vocab "
+                f"{self.vocab_size}, {self.dtype}"
+            )
+        else:
+            text = (
+                f"deep latent stack, {self.depth} blocks, width {self.width}, {self.heads} "
+                f"heads, {self.batch}x{self.tokens} tokens, {self.dtype} "
+                f"({format_bytes(self.block_input_bytes())} per block input)"
+            )
+        return f"{text}; {self.note}" if self.note else text
+
+    def parameter_count(self) -> int:
+        """Return the number of parameters of this shape's model, built on the meta device."""
+        built = build(self, no_checkpoint, torch.device("meta"))
+        return sum(p.numel() for p in built.model.parameters())
 
     def torch_dtype(self) -> torch.dtype:
         """Return the ``torch.dtype`` for :attr:`dtype`."""
@@ -79,35 +127,44 @@ class Workload:
     def with_overrides(self, **fields: int | None) -> Workload:
         """Return a copy with the given fields replaced (``None`` values are ignored).
 
+        A GPT's heads follow from its width: unless both are given, ``heads`` becomes
+        ``width // head_dim``, or, with ``heads`` given, ``head_dim`` becomes ``width // heads``.
+        A latent stack keeps its heads unless they are given.
+
         Args:
             **fields: ``depth``, ``width``, ``heads``, ``batch``, ``tokens``, ``vocab_size`` or
                 ``head_dim``.
 
         Returns:
             The new workload (same name).
+
+        Raises:
+            ValueError: If the resulting heads do not fit the width.
         """
-        changes = {k: v for k, v in fields.items() if v is not None}
-        return dataclasses.replace(self, **changes) if changes else self  # type: ignore[arg-type]
+        changes: dict[str, Any] = {k: v for k, v in fields.items() if v is not None}
+        if not changes:
+            return self
+        if self.kind == "gpt":
+            width = changes.get("width", self.width)
+            if "heads" in changes and "head_dim" not in changes:
+                changes["head_dim"] = width // changes["heads"]
+            elif "heads" not in changes:
+                changes["heads"] = width // changes.get("head_dim", self.head_dim)
+        return dataclasses.replace(self, **changes)
 
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
-        Workload("deep96", "latent", 96, 1536, 12, 8, 4096, "bf16",
-                 description="96 blocks d1536, 8x4096 tokens, bf16 (96 MiB per block input)"),
-        Workload("deep48", "latent", 48, 1536, 12, 8, 4096, "bf16",
-                 description="48 blocks d1536, 8x4096 tokens, bf16"),
-        Workload("light48", "latent", 48, 512, 4, 8, 4096, "bf16",
-                 description="48 blocks d512, 8x4096 tokens, bf16 (compute-light)"),
-        Workload("deep192", "latent", 192, 1024, 8, 2, 4096, "bf16",
-                 description="192 blocks d1024, 2x4096 tokens, bf16"),
-        Workload("gpt12", "gpt", 12, 768, 6, 8, 2048, "bf16",
-                 description="nanochat-style GPT depth 12, batch 8, seq 2048, vocab 65536, bf16"),
+        Workload("deep96", "latent", 96, 1536, 12, 8, 4096, "bf16"),
+        Workload("deep48", "latent", 48, 1536, 12, 8, 4096, "bf16"),
+        Workload("light48", "latent", 48, 512, 4, 8, 4096, "bf16", note="compute-light"),
+        Workload("deep192", "latent", 192, 1024, 8, 2, 4096, "bf16"),
+        Workload("gpt12", "gpt", 12, 768, 6, 8, 2048, "bf16"),
         Workload("nanochat12", "gpt", 12, 768, 6, 8, 2048, "bf16", x0_mixing=True,
-                 description="nanochat GPT d12 with x0 mixing (x0 is an input of every "
-                 "checkpoint), batch 8, seq 2048, vocab 65536, bf16"),
+                 note="x0 is an input of every checkpoint"),
         Workload("cpu-small", "latent", 8, 256, 4, 2, 256, "fp32",
-                 description="8 blocks d256, 2x256 tokens, fp32 (CPU run without a GPU)"),
+                 note="the CPU run without a GPU"),
     )
 }  # fmt: skip
 """Every workload by name; ``cpu-small`` is what runs without a GPU."""

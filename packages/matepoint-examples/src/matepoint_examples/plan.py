@@ -28,7 +28,7 @@ from matepoint_examples._planning import largest_batch, plan_workload
 from matepoint_examples._runtime import format_bytes
 from matepoint_examples._workloads import WORKLOADS, Workload, get_workload
 
-__all__ = ["main", "plot", "rich_table"]
+__all__ = ["describe", "main", "plot", "rich_table"]
 
 _GIB = float(1 << 30)
 _GB = 1e9
@@ -139,46 +139,93 @@ def plot(memory_plan: matepoint.MemoryPlan, path: Path, budget_bytes: int | None
     return path
 
 
+# The shape flags, the Workload field each sets, and its help.
+_SHAPE_FLAGS = (
+    ("depth", "depth", "number of checkpointed blocks"),
+    ("width", "width", "model dimension"),
+    ("heads", "heads", "attention heads (a GPT's follow from --width and --head-dim)"),
+    ("batch", "batch", "batch size"),
+    ("seq", "tokens", "tokens per sample (sequence length)"),
+    ("vocab", "vocab_size", "vocabulary (GPT)"),
+    ("head-dim", "head_dim", "head dimension (GPT)"),
+)
+_DEFAULT_MODEL = "gpt12"
+
+
+def _models_epilog() -> str:
+    """List every model's shape: the defaults of the shape flags."""
+    lines = ["models (their shapes are the defaults of the shape flags):"]
+    lines += [f"  {w.name:<11} {w.describe()}" for w in WORKLOADS.values()]
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="matepoint-plan",
         description="Plan device memory, host RAM and link traffic of an example model's "
         "training step, without a GPU.",
+        epilog=_models_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="gpt12", help=f"one of: {', '.join(WORKLOADS)} (gpt12)")
-    for name, text in (
-        ("depth", "number of checkpointed blocks"),
-        ("width", "model dimension"),
-        ("heads", "attention heads (latent stacks)"),
-        ("batch", "batch size"),
-        ("seq", "tokens per sample (sequence length)"),
-        ("vocab", "vocabulary (GPT)"),
-        ("head-dim", "head dimension (GPT)"),
-    ):
-        p.add_argument(f"--{name}", type=int, help=text)
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="parameter/activation dtype")
+    default = get_workload(_DEFAULT_MODEL)
+    p.add_argument(
+        "--model", default=_DEFAULT_MODEL, help=f"one of the models below (default: {default.name})"
+    )
+    for flag, field, text in _SHAPE_FLAGS:
+        value = getattr(default, field)
+        p.add_argument(
+            f"--{flag}", type=int, help=f"{text} (default: the model's; {default.name}: {value})"
+        )
+    p.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        help=f"parameter/activation dtype (default: the model's; {default.name}: {default.dtype})",
+    )
     p.add_argument("--stash", type=float, help="stash_bytes, in MiB (default: matepoint's)")
     p.add_argument("--prefetch", type=int, help="prefetch depth (default: matepoint's)")
     p.add_argument("--min-offload", type=float, help="min_offload_bytes, in MiB")
     p.add_argument("--budget", type=float, help="device memory budget in GiB: propose options")
-    p.add_argument("--bandwidth", type=float, default=55.0, help="link GB/s each way (55)")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="compute TFLOP/s (989)")
+    p.add_argument("--bandwidth", type=float, default=55.0, help="link GB/s each way (default: 55)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="compute TFLOP/s (default: 989)"
+    )
     p.add_argument("--json", type=Path, help="write the report as JSON here")
     p.add_argument("--plot", type=Path, help="write the memory timeline PNG here")
     return p
 
 
 def _workload(args: argparse.Namespace) -> Workload:
-    workload = get_workload(args.model).with_overrides(
-        depth=args.depth,
-        width=args.width,
-        heads=args.heads,
-        batch=args.batch,
-        tokens=args.seq,
-        vocab_size=args.vocab,
-        head_dim=args.head_dim,
-    )
+    overrides = {field: getattr(args, flag.replace("-", "_")) for flag, field, _ in _SHAPE_FLAGS}
+    workload = get_workload(args.model).with_overrides(**overrides)
     return dataclasses.replace(workload, dtype=args.dtype) if args.dtype else workload
+
+
+def describe(workload: Workload) -> str:
+    """Say which model is planned: its shape, its parameters, and what differs from its name's.
+
+    The name is a registered shape; flags change it (``--model gpt12 --depth 32``), so the line
+    gives the shape actually planned and lists each field that is not the name's.
+
+    Args:
+        workload: The shape planned.
+
+    Returns:
+        E.g. ``"gpt12 with depth 32 (not 12), width 4096 (not 768), heads 32 (not 6):
+        nanochat-style GPT, depth 32, ...; 6.98 B parameters (13.00 GiB in bf16)"``.
+    """
+    base = get_workload(workload.name)
+    changed = [
+        f"{field.name} {getattr(workload, field.name)} (not {getattr(base, field.name)})"
+        for field in dataclasses.fields(workload)
+        if getattr(workload, field.name) != getattr(base, field.name)
+    ]
+    name = f"{workload.name} with {', '.join(changed)}" if changed else workload.name
+    count = workload.parameter_count()
+    size = count * workload.torch_dtype().itemsize
+    return (
+        f"{name}: {workload.describe()}; {count / 1e9:.2f} B parameters "
+        f"({format_bytes(size)} in {workload.dtype})"
+    )
 
 
 def _options(args: argparse.Namespace) -> matepoint.OffloadSettings:
@@ -217,12 +264,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"[red]{error}[/]")
         return 2
     seconds = time.perf_counter() - started
-    console.print(f"[bold]{workload.name}[/]: {workload.description or workload}")
+    console.print(describe(workload), highlight=False, soft_wrap=True)
     console.print(rich_table(memory_plan))
     for note in _notes(memory_plan):
         console.print(f"[dim]{note}[/]", highlight=False)
     report: dict[str, Any] = {
-        "model": dataclasses.asdict(workload),
+        "model": {
+            **dataclasses.asdict(workload),
+            "description": workload.describe(),
+            "parameters": workload.parameter_count(),
+        },
         "planning_seconds": seconds,
         "plan": memory_plan.to_dict(),
     }
