@@ -168,11 +168,11 @@ def test_fault_leaves_nothing_and_next_step_is_exact(
         original = _transport._CudaChannel.copy_in
         failures = {"left": 1}
 
-        def copy_in(self: Any, host: torch.Tensor, delay_cycles: int) -> Any:
+        def copy_in(self: Any, host: torch.Tensor) -> Any:
             if failures["left"]:
                 failures["left"] -= 1
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected into a prefetch)")
-            return original(self, host, delay_cycles)
+            return original(self, host)
 
         monkeypatch.setattr(_transport._CudaChannel, "copy_in", copy_in)
         _equal(_step(blocks, x0, mate), reference)

@@ -538,7 +538,7 @@ def test_transport_detects_a_source_released_too_early(fresh_stats: None) -> Non
     channel = test_transport.channel(torch.zeros(1))
     source = torch.randn(8)
     host = channel.allocate_host(32).view(torch.float32)
-    event = channel.copy_out(source, host, 0)
+    event = channel.copy_out(source, host)
     del source
     gc.collect()
     with pytest.raises(CopyReadFreedMemory):

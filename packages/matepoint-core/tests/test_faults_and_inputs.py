@@ -85,7 +85,7 @@ class _FlakyChannel(_CPUTestChannel):
         super().__init__(owner)
         self.flaky = owner
 
-    def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
+    def copy_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
         site = self.flaky.fail_next
         if site is not None and sys._getframe(1).f_code.co_name == _CALLERS[site]:
             self.flaky.fail_next = None
@@ -95,7 +95,7 @@ class _FlakyChannel(_CPUTestChannel):
                 f"CUDA out of memory. Tried to allocate {host.numel() * host.element_size()} "
                 "bytes (simulated: copy back to the device)"
             )
-        return super().copy_in(host, delay_cycles)
+        return super().copy_in(host)
 
 
 class FlakyTransport(CPUTestTransport):

@@ -10,8 +10,14 @@ import pytest
 import torch
 
 import matepoint
-from matepoint import _registry
-from matepoint.testing import POISON_BYTE, CopyReadFreedMemory, CPUTestTransport, use_transport
+from matepoint import _registry, _transport
+from matepoint.testing import (
+    POISON_BYTE,
+    CopyReadFreedMemory,
+    CPUTestTransport,
+    delay_side_stream,
+    use_transport,
+)
 
 
 def _channel(completion: str = "deferred", **kwargs: object):  # type: ignore[no-untyped-def]
@@ -35,7 +41,7 @@ def test_deferred_copy_out_is_poison_until_synchronized() -> None:
     source = torch.arange(8, dtype=torch.float32)
     host = channel.allocate_host(32).view(torch.float32)
     assert (host.view(torch.uint8) == POISON_BYTE).all()
-    event = channel.copy_out(source, host, 0)
+    event = channel.copy_out(source, host)
     assert test_transport.copies_out == 1
     assert torch.isnan(host).all()
     assert not channel.is_complete(event)  # polling never completes a deferred copy
@@ -47,7 +53,7 @@ def test_deferred_copy_out_is_poison_until_synchronized() -> None:
 def test_deferred_copy_in_is_poison_until_waited() -> None:
     test_transport, channel = _channel()
     host = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()
-    target, event = channel.copy_in(host, 0)
+    target, event = channel.copy_in(host)
     assert target.stride() == host.stride()
     assert torch.isnan(target).all()
     assert channel.hand_to_compute(target, event, True) is None
@@ -59,7 +65,7 @@ def test_on_query_completes_when_polled() -> None:
     _, channel = _channel("on_query")
     source = torch.ones(4)
     host = channel.allocate_host(16).view(torch.float32)
-    event = channel.copy_out(source, host, 0)
+    event = channel.copy_out(source, host)
     assert torch.isnan(host).all()
     assert channel.is_complete(event)
     torch.testing.assert_close(host, source)
@@ -69,7 +75,7 @@ def test_immediate_completes_at_once() -> None:
     _, channel = _channel("immediate")
     source = torch.ones(4)
     host = channel.allocate_host(16).view(torch.float32)
-    event = channel.copy_out(source, host, 0)
+    event = channel.copy_out(source, host)
     assert event.done
     torch.testing.assert_close(host, source)
 
@@ -78,7 +84,7 @@ def test_copies_complete_in_order() -> None:
     _, channel = _channel()
     sources = [torch.full((4,), float(i)) for i in range(3)]
     hosts = [channel.allocate_host(16).view(torch.float32) for _ in range(3)]
-    events = [channel.copy_out(s, h, 0) for s, h in zip(sources, hosts, strict=True)]
+    events = [channel.copy_out(s, h) for s, h in zip(sources, hosts, strict=True)]
     channel.synchronize(events[1])
     assert events[0].done
     assert events[1].done
@@ -90,7 +96,7 @@ def test_copy_of_a_freed_source_raises() -> None:
     _, channel = _channel()
     source = torch.randn(4)
     host = channel.allocate_host(16).view(torch.float32)
-    event = channel.copy_out(source, host, 0)
+    event = channel.copy_out(source, host)
     del source
     gc.collect()
     with pytest.raises(CopyReadFreedMemory):
@@ -102,7 +108,7 @@ def test_release_mid_copy_keeps_the_memory_until_the_copy_ran() -> None:
     source = torch.randn(4, requires_grad=True) * 2  # has an autograd graph
     expected = source.detach().clone()
     host = channel.allocate_host(16).view(torch.float32)
-    event = channel.copy_out(source, host, 0)
+    event = channel.copy_out(source, host)
     probe = torch.utils.weak.WeakTensorKeyDictionary()
     probe[source] = True
     channel.release_original(source, None, copying=True)
@@ -116,7 +122,7 @@ def test_copy_of_a_modified_source_is_poison() -> None:
     _, channel = _channel()
     source = torch.randn(4)
     host = channel.allocate_host(16).view(torch.float32)
-    event = channel.copy_out(source, host, 0)
+    event = channel.copy_out(source, host)
     source.add_(1)
     channel.synchronize(event)
     assert torch.isnan(host).all()
@@ -127,7 +133,7 @@ def test_copies_run_without_recording_autograd() -> None:
     source = torch.randn(4, requires_grad=True) * 1
     with torch.no_grad():
         host = channel.allocate_host(16)[:16].view(torch.float32)
-    event = channel.copy_out(source, host, 0)
+    event = channel.copy_out(source, host)
     channel.synchronize(event)  # grad mode is on here
     assert host.grad_fn is None
 
@@ -145,7 +151,7 @@ def test_drain_completes_everything() -> None:
     test_transport, channel = _channel()
     sources = [torch.randn(4) for _ in range(3)]
     hosts = [channel.allocate_host(16).view(torch.float32) for _ in range(3)]
-    events = [channel.copy_out(s, h, 0) for s, h in zip(sources, hosts, strict=True)]
+    events = [channel.copy_out(s, h) for s, h in zip(sources, hosts, strict=True)]
     test_transport.drain()
     assert all(event.done for event in events)
     test_transport.drain()  # nothing queued: a no-op
@@ -155,7 +161,7 @@ def test_concurrent_waits_from_threads() -> None:
     _, channel = _channel()
     sources = [torch.randn(1024) for _ in range(64)]
     hosts = [channel.allocate_host(4096).view(torch.float32) for _ in range(64)]
-    events = [channel.copy_out(s, h, 0) for s, h in zip(sources, hosts, strict=True)]
+    events = [channel.copy_out(s, h) for s, h in zip(sources, hosts, strict=True)]
     errors: list[BaseException] = []
 
     def wait_all(order: list[int]) -> None:
@@ -219,3 +225,19 @@ def test_an_engine_with_live_records_outlives_the_switch() -> None:
     del out
     gc.collect()
     assert matepoint.stats().live_records == 0
+
+
+def test_the_side_stream_delay_belongs_to_the_transport() -> None:
+    """``delay_side_stream`` sets the transport's delay, which the CUDA channel reads per copy."""
+    assert _transport.side_stream_delay() == 0
+    with delay_side_stream(1000) as cycles:
+        assert cycles == 1000
+        assert _transport.side_stream_delay() == 1000
+        with delay_side_stream(0):
+            assert _transport.side_stream_delay() == 0
+        assert _transport.side_stream_delay() == 1000
+    assert _transport.side_stream_delay() == 0
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"delay_side_stream\.cycles"):
+            _transport.set_side_stream_delay(bad)  # type: ignore[arg-type]
+    assert _transport.side_stream_delay() == 0

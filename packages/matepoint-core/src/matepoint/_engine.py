@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import matepoint_compat as compat
-from matepoint._options import ResolvedOptions
+from matepoint._options import OffloadSettings
 from matepoint._pool import PinnedPool
 from matepoint._records import Record, inplace_error
 from matepoint._stats import Counters
@@ -55,14 +55,20 @@ class ChannelEngine:
 
     # -- forward ---------------------------------------------------------------------------
 
-    def offload(self, tensor: torch.Tensor, options: ResolvedOptions, pipelined: bool) -> Record:
+    def offload(self, tensor: torch.Tensor, options: OffloadSettings, pipelined: bool) -> Record:
         """Start moving ``tensor`` to the host and return its record (or a shared one)."""
         with self.lock:
             self._settle_graveyard()
             # Same memory, layout and version: the same saved value (dedupe). ``_version``: see
             # Note [Private tensor attributes read directly] in matepoint_compat.
             version = tensor._version
-            key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, version)
+            key = (
+                self.channel.memory_key(tensor),
+                tensor.shape,
+                tensor.stride(),
+                tensor.dtype,
+                version,
+            )
             shared_ref = self._by_key.get(key)
             shared = shared_ref() if shared_ref is not None else None
             if shared is not None and shared.original() is not None and not shared.modified:
@@ -86,7 +92,7 @@ class ChannelEngine:
             )
             if pipelined:
                 record.copy_event = block.last_event = self.channel.copy_out(
-                    tensor, record.host, options.side_stream_delay_cycles, record.compute
+                    tensor, record.host, record.compute
                 )
             else:
                 self.channel.copy_out_now(tensor, record.host)
@@ -101,7 +107,7 @@ class ChannelEngine:
             self.counters.bytes_offloaded += nbytes
             return record
 
-    def _release_held(self, options: ResolvedOptions) -> None:
+    def _release_held(self, options: OffloadSettings) -> None:
         """Let go of device originals, keeping the newest ``stash_bytes`` of them.
 
         The host waits for the oldest copies only when more than ``max_inflight_bytes`` are still
@@ -182,7 +188,7 @@ class ChannelEngine:
 
     # -- backward --------------------------------------------------------------------------
 
-    def restore(self, record: Record, options: ResolvedOptions) -> torch.Tensor:
+    def restore(self, record: Record, options: OffloadSettings) -> torch.Tensor:
         """Return a device tensor with the record's contents for the computation now running."""
         with self.lock:
             self._settle_graveyard()
@@ -211,7 +217,7 @@ class ChannelEngine:
                 record.prefetched = None
                 self.counters.prefetch_hits += 1
             elif record.pipelined:
-                result, event = self.channel.copy_in(record.host, options.side_stream_delay_cycles)
+                result, event = self.channel.copy_in(record.host)
                 record.block.last_event = event
                 self.counters.fetches += 1
                 self.counters.bytes_fetched += record.nbytes
@@ -229,7 +235,7 @@ class ChannelEngine:
                 self._prefetch_before(record, options)
             return result
 
-    def _hand_over(self, tensor: torch.Tensor, event: Any, options: ResolvedOptions) -> None:
+    def _hand_over(self, tensor: torch.Tensor, event: Any, options: OffloadSettings) -> None:
         """Hand a tensor copied back on the side stream to compute, after its copy's ``event``."""
         token = self.channel.hand_to_compute(tensor, event, options.measure_waits)
         if token is not None:
@@ -237,7 +243,7 @@ class ChannelEngine:
             if len(self._timings) > _TIMING_BACKLOG:
                 self._resolve_timings(block=True, keep=_TIMING_BACKLOG)
 
-    def _prefetch_before(self, record: Record, options: ResolvedOptions) -> None:
+    def _prefetch_before(self, record: Record, options: OffloadSettings) -> None:
         """Start copying back what backward needs next: shared records first, then look-ahead.
 
         See Note [Shared records]. A record several checkpoints share (the embedding every block
@@ -259,7 +265,7 @@ class ChannelEngine:
                     and candidate is not record
                     and window_start <= candidate.last_use <= record.sequence
                     and candidate.pipelined
-                ) and not self._start_prefetch(candidate, options):
+                ) and not self._start_prefetch(candidate):
                     break
         if record.unpacks % record.packs:
             # A shared record used by a later checkpoint: its pack position says nothing about
@@ -267,13 +273,13 @@ class ChannelEngine:
             return
         self._prefetch_scan(index - 1, record.unpacks // record.packs, options)
 
-    def prefetch_newest(self, options: ResolvedOptions) -> None:
+    def prefetch_newest(self, options: OffloadSettings) -> None:
         """Start copying back the newest records not yet unpacked (what backward needs first)."""
         with self.lock:
             self._settle_graveyard()
             self._prefetch_scan(len(self._order) - 1, 1, options)
 
-    def _prefetch_scan(self, position: int, unpacks_below: int, options: ResolvedOptions) -> None:
+    def _prefetch_scan(self, position: int, unpacks_below: int, options: OffloadSettings) -> None:
         """Prefetch up to ``options.prefetch`` records at or before ``position`` in pack order.
 
         Only records unpacked fewer than ``unpacks_below`` times count: in a second backward
@@ -289,10 +295,10 @@ class ChannelEngine:
             if candidate is None or candidate.unpacks >= unpacks_below or not candidate.pipelined:
                 continue
             started += 1
-            if not self._start_prefetch(candidate, options):
+            if not self._start_prefetch(candidate):
                 return
 
-    def _start_prefetch(self, candidate: Record, options: ResolvedOptions) -> bool:
+    def _start_prefetch(self, candidate: Record) -> bool:
         """Copy ``candidate`` back ahead of need unless it is on the device already.
 
         Returns False when device memory is short (stop prefetching; fetch on demand).
@@ -305,7 +311,7 @@ class ChannelEngine:
         ):
             return True
         try:
-            tensor, event = self.channel.copy_in(candidate.host, options.side_stream_delay_cycles)
+            tensor, event = self.channel.copy_in(candidate.host)
         except torch.cuda.OutOfMemoryError:
             # A prefetch is only ahead of need: without room for it, the record is fetched on
             # demand when its unpack comes (which raises if memory is still short).

@@ -1,8 +1,8 @@
 """``matepoint.plan``: a step's device memory, host RAM and link traffic, before renting a GPU.
 
 The planner runs one training step of the user's own model on the meta device, once with no
-checkpoint, once with torch's checkpoint and once with matepoint, replaying the offload engine's
-rules on tensors that hold no memory (see ``matepoint._plan_step``). It reports, per strategy,
+checkpoint, once with torch's checkpoint and once with matepoint, whose own offload engine runs
+on tensors that hold no memory (see ``matepoint._plan_step``). It reports, per strategy,
 the peak device memory and its timeline, the bytes forward leaves for backward, the pinned host
 RAM, the bytes each way over the link, and the time those bytes need against an estimate of the
 compute time, and it proposes options that fit a device-memory budget.
@@ -13,16 +13,15 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 from collections.abc import Callable
+from functools import partial
 from typing import Any, cast
 
 import torch
 
-from matepoint._options import OffloadSettings, get_options
-from matepoint._plan_engine import Strategy
+from matepoint._options import OffloadOptions, OffloadSettings, get_options, resolve
+from matepoint._plan_engine import SavedInput, Strategy
 from matepoint._plan_recommend import Recommendation, recommend
-from matepoint._plan_rules import SavedInput
-from matepoint._plan_step import StepRecord, run_step
-from matepoint._plan_trace import PHASES
+from matepoint._plan_step import StrategyPlan, TimelinePoint, run_step
 
 __all__ = [
     "DEFAULT_LINK_BANDWIDTH",
@@ -43,146 +42,6 @@ STRATEGIES = ("none", "torch", "matepoint")
 
 _GB = 1e9
 _GIB = float(1 << 30)
-
-
-@dataclasses.dataclass(frozen=True)
-class TimelinePoint:
-    """Device and host memory at one moment of the planned step.
-
-    Attributes:
-        flops: FLOPs computed so far in the step (divide by FLOP/s for an estimated time).
-        device_bytes: Device bytes allocated at that moment (as the CUDA caching allocator
-            counts them, rounded to 512 bytes).
-        host_bytes: Host bytes the pinned pool holds (plus pageable fallbacks).
-        host_in_use_bytes: The part of ``host_bytes`` holding live offloaded inputs.
-        phase: ``"forward"``, ``"backward"`` or ``"after"``.
-    """
-
-    flops: int
-    device_bytes: int
-    host_bytes: int
-    host_in_use_bytes: int
-    phase: str
-
-
-@dataclasses.dataclass(frozen=True)
-class StrategyPlan:
-    """The planned step under one strategy.
-
-    Attributes:
-        strategy: ``"none"`` (no checkpoint), ``"torch"`` (``torch.utils.checkpoint``) or
-            ``"matepoint"``.
-        peak_bytes: Most device bytes alive at once, parameters and inputs included.
-        baseline_bytes: Device bytes before the step (parameters, buffers, inputs, and the
-            cuBLAS workspaces of the threads that run matrix products).
-        parameter_bytes: The parameters among them (their gradients add as much in backward).
-        held_after_forward_bytes: Device bytes forward leaves for backward (after forward,
-            loss included, minus before it).
-        pinned_bytes: Pinned host RAM the pool holds (exact-size blocks, reused every step).
-        pageable_bytes: Host bytes in pageable memory because the pool cap was reached.
-        bytes_to_host: Bytes copied device to host in the step (a shared input once).
-        bytes_to_device: Bytes copied host to device (fetches and prefetches).
-        forward_flops: FLOPs of forward and loss.
-        backward_flops: FLOPs of backward, recomputation included.
-        to_host_seconds: ``bytes_to_host`` at the link bandwidth.
-        to_device_seconds: ``bytes_to_device`` at the link bandwidth.
-        forward_seconds: Estimated forward compute: ``forward_flops`` at the peak FLOP/s.
-        backward_seconds: Estimated backward compute, likewise.
-        counters: The replayed engine's counters, named as in :class:`matepoint.OffloadStats`.
-        pool_would_raise: Whether ``on_pool_exhausted="raise"`` would raise in this step.
-        timeline: Device and host memory through the step.
-    """
-
-    strategy: str
-    peak_bytes: int
-    baseline_bytes: int
-    parameter_bytes: int
-    held_after_forward_bytes: int
-    pinned_bytes: int
-    pageable_bytes: int
-    bytes_to_host: int
-    bytes_to_device: int
-    forward_flops: int
-    backward_flops: int
-    to_host_seconds: float
-    to_device_seconds: float
-    forward_seconds: float
-    backward_seconds: float
-    counters: dict[str, int]
-    pool_would_raise: bool
-    timeline: tuple[TimelinePoint, ...]
-
-    @property
-    def link_bytes(self) -> int:
-        """Bytes over the link, both ways."""
-        return self.bytes_to_host + self.bytes_to_device
-
-    @property
-    def link_bound(self) -> bool:
-        """Whether some direction's copies need longer than the compute they overlap."""
-        return (
-            self.to_host_seconds > self.forward_seconds
-            or self.to_device_seconds > self.backward_seconds
-        )
-
-    def to_dict(self, max_points: int = 2000) -> dict[str, Any]:
-        """Return a JSON-ready dict, the timeline thinned to at most ``max_points`` points.
-
-        Thinning keeps every local extreme it can, so the peak survives.
-        """
-        fields = {
-            field.name: getattr(self, field.name)
-            for field in dataclasses.fields(self)
-            if field.name != "timeline"
-        }
-        points = _thin(self.timeline, max_points)
-        fields["timeline"] = [dataclasses.astuple(point) for point in points]
-        fields["timeline_columns"] = [field.name for field in dataclasses.fields(TimelinePoint)]
-        return fields
-
-
-def _thin(points: tuple[TimelinePoint, ...], limit: int) -> list[TimelinePoint]:
-    if len(points) <= limit:
-        return list(points)
-    stride = -(-len(points) // limit)
-    kept: list[TimelinePoint] = []
-    for start in range(0, len(points), stride):
-        window = points[start : start + stride]
-        top = max(window, key=lambda point: point.device_bytes)
-        low = min(window, key=lambda point: point.device_bytes)
-        kept.extend(sorted({id(top): top, id(low): low}.values(), key=window.index))
-    return kept
-
-
-def _strategy_plan(record: StepRecord, link_bandwidth: float, peak_flops: float) -> StrategyPlan:
-    counters = dataclasses.asdict(record.counters)
-    timeline = tuple(
-        TimelinePoint(flops, device + record.baseline_bytes, host, in_use, PHASES[phase])
-        for flops, device, host, in_use, phase in record.samples
-    )
-    backward_flops = record.total_flops - record.forward_flops
-    to_host = int(counters["bytes_offloaded"])
-    to_device = int(counters["bytes_fetched"])
-    return StrategyPlan(
-        strategy=record.strategy,
-        peak_bytes=record.peak_bytes,
-        baseline_bytes=record.baseline_bytes,
-        parameter_bytes=record.parameter_bytes,
-        held_after_forward_bytes=record.held_after_forward_bytes,
-        pinned_bytes=record.pinned_bytes,
-        pageable_bytes=record.pageable_bytes,
-        bytes_to_host=to_host,
-        bytes_to_device=to_device,
-        forward_flops=record.forward_flops,
-        backward_flops=backward_flops,
-        to_host_seconds=to_host / link_bandwidth,
-        to_device_seconds=to_device / link_bandwidth,
-        forward_seconds=record.forward_flops / peak_flops,
-        backward_seconds=backward_flops / peak_flops,
-        counters={name: int(value) for name, value in counters.items()},
-        pool_would_raise=record.pool_would_raise,
-        timeline=timeline,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +86,7 @@ class MemoryPlan:
         Returns:
             The proposal, or what would fit if nothing does.
         """
-        return recommend(self, budget_bytes)
+        return recommend(self.effective_options, self.replan, budget_bytes)
 
     def to_dict(self, max_points: int = 2000) -> dict[str, Any]:
         """Return the whole plan as a JSON-ready dict."""
@@ -308,7 +167,7 @@ def plan(
     fn: Callable[..., Any],
     *example_args: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    options: OffloadSettings | None = None,
+    options: OffloadSettings | OffloadOptions | None = None,
     link_bandwidth: float = DEFAULT_LINK_BANDWIDTH,
     peak_flops: float = DEFAULT_PEAK_FLOPS,
     strategies: tuple[str, ...] = STRATEGIES,
@@ -319,11 +178,11 @@ def plan(
     Runs forward and backward of ``fn(*example_args, **example_kwargs)`` on the meta device,
     where tensors have shapes but no memory, so a 7B-parameter model plans in seconds on a laptop.
     The step runs three times: every ``matepoint.checkpoint`` call as a plain call (no
-    checkpoint), as ``torch.utils.checkpoint``, and as matepoint with its options, whose offload
-    decisions (what is kept, dedupe, stash, fetches and look-ahead, the exact-size pinned pool)
-    are replayed exactly. Attention and RMS norm are planned as CUDA's fused kernels
-    allocate, and every allocation is rounded as the CUDA caching allocator rounds it. Times are
-    estimates; bytes are not.
+    checkpoint), as ``torch.utils.checkpoint``, and as matepoint with its options, running
+    matepoint's own offload engine (what is kept, dedupe, stash, fetches and look-ahead, the
+    exact-size pinned pool) over a channel that moves nothing. Attention and RMS norm are planned
+    as CUDA's fused kernels allocate, and every allocation is rounded as the CUDA caching
+    allocator rounds it. Times are estimates; bytes are not.
 
     Build the model and its inputs on the meta device (``with torch.device("meta"):``) so that
     nothing is allocated. Only ``matepoint.checkpoint`` and ``checkpoint_sequential`` calls
@@ -335,8 +194,9 @@ def plan(
         *example_args: Its arguments, on the meta device.
         loss_fn: Turns ``fn``'s output into the loss. Default: the output if it is a scalar,
             else the sum of its elements.
-        options: Options for every offloading checkpoint call instead of its own.
-            Default: each call's own (the process defaults).
+        options: Settings for every offloading checkpoint call instead of its own, or an
+            :class:`OffloadOptions`, resolved over the settings in force as a call's ``offload=``
+            is. Default: each call's own (the process defaults).
         link_bandwidth: Host-device bandwidth each way, in bytes per second.
             Default: :data:`DEFAULT_LINK_BANDWIDTH` (55 GB/s, measured on an H200 host).
         peak_flops: FLOP/s for the compute-time estimate. Default: :data:`DEFAULT_PEAK_FLOPS`
@@ -348,9 +208,9 @@ def plan(
         The plan; ``str(plan)`` is a table, ``plan.recommend(budget)`` proposes options.
 
     Raises:
-        ValueError: For an unknown strategy; if ``fn`` is a module (or a module's method)
-            with parameters or buffers not on the meta device; if the output has no tensor
-            that requires grad and no ``loss_fn`` is given.
+        ValueError: For an unknown strategy; for ``OffloadOptions(enabled=False)``; if ``fn``
+            is a module (or a module's method) with parameters or buffers not on the meta
+            device; if the output has no tensor that requires grad and no ``loss_fn`` is given.
 
     Example:
         >>> import torch, matepoint
@@ -366,33 +226,37 @@ def plan(
         128
     """
 
-    def replan(with_options: OffloadSettings) -> tuple[StrategyPlan, tuple[SavedInput, ...]]:
-        record = run_step(
-            fn,
-            example_args,
-            example_kwargs,
-            strategy="matepoint",
-            options=with_options,
-            loss_fn=loss_fn,
-        )
-        return _strategy_plan(record, link_bandwidth, peak_flops), record.saves
-
+    if isinstance(options, OffloadOptions):
+        # As a checkpoint call resolves its offload=: unset fields take the settings in force.
+        resolved = resolve(options)
+        if resolved is None:
+            raise ValueError(
+                "matepoint.plan: options=OffloadOptions(enabled=False) offloads nothing; the "
+                '"torch" strategy is that step'
+            )
+        fields = dataclasses.fields(OffloadSettings)
+        options = OffloadSettings(**{field.name: getattr(resolved, field.name) for field in fields})
     _check_on_meta(fn)
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:
         raise ValueError(f"unknown strategies {sorted(unknown)}; known: {', '.join(STRATEGIES)}")
-    plans: dict[str, StrategyPlan] = {}
-    saves: tuple[SavedInput, ...] = ()
-    for strategy in strategies:
-        record = run_step(
+
+    def run(strategy: str, settings: OffloadSettings | None) -> tuple[StrategyPlan, Any]:
+        return run_step(
             fn,
             example_args,
             example_kwargs,
             strategy=cast(Strategy, strategy),
-            options=options,
+            options=settings,
             loss_fn=loss_fn,
+            link_bandwidth=link_bandwidth,
+            peak_flops=peak_flops,
         )
-        plans[strategy] = _strategy_plan(record, link_bandwidth, peak_flops)
+
+    plans: dict[str, StrategyPlan] = {}
+    saves: tuple[SavedInput, ...] = ()
+    for strategy in strategies:
+        plans[strategy], strategy_saves = run(strategy, options)
         if strategy == "matepoint":
-            saves = record.saves
-    return MemoryPlan(plans, options, link_bandwidth, peak_flops, saves, replan)
+            saves = strategy_saves
+    return MemoryPlan(plans, options, link_bandwidth, peak_flops, saves, partial(run, "matepoint"))

@@ -10,14 +10,12 @@ device for each candidate and keeps the one with the fewest link bytes among tho
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from itertools import accumulate, pairwise
-from typing import TYPE_CHECKING
 
 from matepoint._options import OffloadSettings
-
-if TYPE_CHECKING:
-    from matepoint._plan import MemoryPlan, StrategyPlan
-    from matepoint._plan_rules import SavedInput
+from matepoint._plan_engine import SavedInput
+from matepoint._plan_step import StrategyPlan
 
 __all__ = ["Recommendation", "recommend"]
 
@@ -90,34 +88,52 @@ class Recommendation:
         )
 
 
+def _round_threshold(kept: int, offloaded: int | None) -> int:
+    """A round ``min_offload_bytes`` that keeps inputs of ``kept`` bytes and moves ``offloaded``.
+
+    Any value above ``kept`` and at most ``offloaded`` plans the same step; the smallest power
+    of two above ``kept`` reads best, else the size of the smallest input moved.
+    """
+    power = 1 << kept.bit_length()
+    return power if offloaded is None or power <= offloaded else offloaded
+
+
 def _threshold_classes(saves: tuple[SavedInput, ...], current: int) -> list[int]:
     """Candidate ``min_offload_bytes``, one per distinct set of inputs kept on the device.
 
     Thresholds between two size classes keep the same inputs and plan the same step, so each
-    class is tried once: with the current value if it falls in the class, else with the
-    smallest threshold of the class (1 offloads everything; ``size + 1`` keeps ``size``).
+    class is tried once: with the current value if it falls in the class, else with a round
+    value of the class (1 offloads everything; see :func:`_round_threshold` for the others).
     """
     sizes = sorted({save.nbytes for save in saves if save.fate in _OFFLOADABLE})
     bounds = [1, *(size + 1 for size in sizes)]
-    classes = [current if low <= current < high else low for low, high in pairwise(bounds)]
-    classes.append(current if current >= bounds[-1] else bounds[-1])
+    rounds = [1, *(_round_threshold(size, bigger) for size, bigger in pairwise([*sizes, None]))]
+    classes = [
+        current if low <= current < high else round_value
+        for (low, high), round_value in zip(pairwise(bounds), rounds, strict=False)
+    ]
+    classes.append(current if current >= bounds[-1] else rounds[-1])
     if len(classes) > _MAX_THRESHOLDS:
         step = (len(classes) - 1) / (_MAX_THRESHOLDS - 1)
         classes = sorted({classes[round(i * step)] for i in range(_MAX_THRESHOLDS)})
     return classes
 
 
-def recommend(memory_plan: MemoryPlan, budget_bytes: int) -> Recommendation:
+def recommend(
+    base: OffloadSettings,
+    replan: Callable[[OffloadSettings], tuple[StrategyPlan, tuple[SavedInput, ...]]],
+    budget_bytes: int,
+) -> Recommendation:
     """Search offload options for ``budget_bytes``; see :class:`Recommendation`.
 
     Args:
-        memory_plan: The plan to re-plan with candidate options.
+        base: The options planned; the search changes three of them.
+        replan: Plans the matepoint step with other options.
         budget_bytes: Device bytes the step may use.
 
     Returns:
         The recommendation.
     """
-    base = memory_plan.effective_options
     cache: dict[tuple[int, int, int], tuple[StrategyPlan, tuple[SavedInput, ...]]] = {}
     runs = 0
 
@@ -131,7 +147,7 @@ def recommend(memory_plan: MemoryPlan, budget_bytes: int) -> Recommendation:
             options = dataclasses.replace(
                 base, min_offload_bytes=min_offload, stash_bytes=stash, prefetch=prefetch
             )
-            cache[key] = memory_plan.replan(options)
+            cache[key] = replan(options)
         return cache[key]
 
     prefetch = None

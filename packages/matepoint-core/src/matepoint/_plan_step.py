@@ -1,165 +1,135 @@
-"""Run one training step on the meta device under one strategy, and record what it held.
+"""Run one training step on the meta device under one strategy, and report what it held.
 
-The step is the user's own code: ``matepoint.checkpoint`` runs as always, except that while the
-planning thread runs a step its saved inputs go to the planner's replay of the engine instead of
-the real one, and for the no-checkpoint strategy its function runs without torch's checkpoint
-around it. See Note [Attaching the planner].
-
-Note [Attaching the planner]
-    ``matepoint._checkpoint`` calls the engine through three module globals looked up at call
-    time: ``pack`` and ``unpack`` (inside its saved-tensor hooks) and ``torch_checkpoint``. While
-    a plan runs they are replaced by wrappers that, on the planning thread only, send saved
-    inputs to :class:`~matepoint._plan_engine.SimEngine` (and, for ``"none"``, call the function
-    directly); every other thread, and every object the real engine made, goes to the originals.
-    Plans run one at a time (a lock), and the originals are put back when the step ends.
+The step is the user's own code: ``matepoint.checkpoint`` runs as always, with a planning scope
+on the thread (see Note [Planning scope] in ``matepoint._registry``) that sends its saved inputs
+to the planner's own engine (see Note [Planner fidelity] in ``matepoint._plan_engine``) and, for
+the no-checkpoint strategy, runs each checkpointed function directly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import matepoint_compat as compat
-from matepoint import _checkpoint
 from matepoint._options import OffloadSettings
 from matepoint._plan_cuda import CudaKernels
-from matepoint._plan_engine import SimEngine, SimRecord, Strategy
-from matepoint._plan_rules import SavedInput
-from matepoint._plan_trace import MemoryTracker, Sample
-from matepoint._stats import Counters
+from matepoint._plan_engine import PlannedEngine, SavedInput, Strategy
+from matepoint._plan_trace import PHASES, MemoryTracker
+from matepoint._registry import planning_scope
+from matepoint._stats import OffloadStats
 
-__all__ = ["StepRecord", "run_step"]
-
-_TORCH_CHECKPOINT_OPTIONS = _checkpoint._CHECKPOINT_OPTION_NAMES
-_ATTACH_POINTS = ("pack", "unpack", "torch_checkpoint")
-
-_lock = threading.RLock()
-_local = threading.local()
+__all__ = ["StrategyPlan", "TimelinePoint", "run_step"]
 
 
 @dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """What one planned step held, moved and computed.
+class TimelinePoint:
+    """Device and host memory at one moment of the planned step.
 
     Attributes:
-        strategy: ``"none"``, ``"torch"`` or ``"matepoint"``.
-        samples: The timeline (see :data:`matepoint._plan_trace.Sample`).
-        baseline_bytes: Device bytes allocated before the step (parameters, inputs, cuBLAS
-            workspaces; see Note [cuBLAS workspaces] in ``_plan_trace``).
-        parameter_bytes: The part of ``baseline_bytes`` that is parameters.
-        forward_end: Index in ``samples`` of the moment forward (and the loss) ended.
-        forward_flops: FLOPs of forward and loss.
-        total_flops: FLOPs of the whole step (recomputation included).
-        counters: The replayed engine's counters (zero unless ``"matepoint"``).
-        pinned_bytes: Pinned host bytes the pool holds after the step.
-        pageable_bytes: Host bytes that fell back to pageable memory (pool cap reached).
-        pool_would_raise: Whether ``on_pool_exhausted="raise"`` would have raised.
-        saves: Every checkpoint input matepoint saw, in order.
+        flops: FLOPs computed so far in the step (divide by FLOP/s for an estimated time).
+        device_bytes: Device bytes allocated at that moment (as the CUDA caching allocator
+            counts them, rounded to 512 bytes).
+        host_bytes: Host bytes the pinned pool holds (plus pageable fallbacks).
+        host_in_use_bytes: The part of ``host_bytes`` holding live offloaded inputs.
+        phase: ``"forward"``, ``"backward"`` or ``"after"``.
     """
 
-    strategy: Strategy
-    samples: tuple[Sample, ...]
+    flops: int
+    device_bytes: int
+    host_bytes: int
+    host_in_use_bytes: int
+    phase: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyPlan:
+    """The planned step under one strategy.
+
+    Attributes:
+        strategy: ``"none"`` (no checkpoint), ``"torch"`` (``torch.utils.checkpoint``) or
+            ``"matepoint"``.
+        peak_bytes: Most device bytes alive at once, parameters and inputs included.
+        baseline_bytes: Device bytes before the step (parameters, buffers, inputs, and the
+            cuBLAS workspaces of the threads that run matrix products).
+        parameter_bytes: The parameters among them (their gradients add as much in backward).
+        held_after_forward_bytes: Device bytes forward leaves for backward (after forward,
+            loss included, minus before it).
+        pinned_bytes: Pinned host RAM the pool holds (exact-size blocks, reused every step).
+        pageable_bytes: Host bytes in pageable memory because the pool cap was reached.
+        bytes_to_host: Bytes copied device to host in the step (a shared input once).
+        bytes_to_device: Bytes copied host to device (fetches and prefetches).
+        forward_flops: FLOPs of forward and loss.
+        backward_flops: FLOPs of backward, recomputation included.
+        to_host_seconds: ``bytes_to_host`` at the link bandwidth.
+        to_device_seconds: ``bytes_to_device`` at the link bandwidth.
+        forward_seconds: Estimated forward compute: ``forward_flops`` at the peak FLOP/s.
+        backward_seconds: Estimated backward compute, likewise.
+        counters: The planned engine's :class:`matepoint.OffloadStats` after the step, by name
+            (times are 0: nothing waits on the meta device).
+        pool_would_raise: Whether ``on_pool_exhausted="raise"`` would raise in this step.
+        timeline: Device and host memory through the step.
+    """
+
+    strategy: str
+    peak_bytes: int
     baseline_bytes: int
     parameter_bytes: int
-    forward_end: int
-    forward_flops: int
-    total_flops: int
-    counters: Counters
+    held_after_forward_bytes: int
     pinned_bytes: int
     pageable_bytes: int
+    bytes_to_host: int
+    bytes_to_device: int
+    forward_flops: int
+    backward_flops: int
+    to_host_seconds: float
+    to_device_seconds: float
+    forward_seconds: float
+    backward_seconds: float
+    counters: dict[str, int]
     pool_would_raise: bool
-    saves: tuple[SavedInput, ...]
-
-    def device_bytes(self, index: int) -> int:
-        """Return the absolute device bytes of sample ``index``."""
-        return self.samples[index][1] + self.baseline_bytes
+    timeline: tuple[TimelinePoint, ...]
 
     @property
-    def peak_bytes(self) -> int:
-        """The most device bytes alive at any moment of the step."""
-        return max(sample[1] for sample in self.samples) + self.baseline_bytes
+    def link_bytes(self) -> int:
+        """Bytes over the link, both ways."""
+        return self.bytes_to_host + self.bytes_to_device
 
     @property
-    def held_after_forward_bytes(self) -> int:
-        """Device bytes forward left for backward (after forward minus before it)."""
-        return self.samples[self.forward_end][1] - self.samples[0][1]
-
-
-class _Run:
-    """The planning thread's current step: which strategy, which engine, which options."""
-
-    def __init__(self, engine: SimEngine, options: OffloadSettings | None) -> None:
-        self.engine = engine
-        self.options = options
-
-
-def _current() -> _Run | None:
-    run: _Run | None = getattr(_local, "run", None)
-    return run
-
-
-class _TorchCheckpointProxy:
-    """``torch.utils.checkpoint`` as matepoint sees it, minus the checkpoint for ``"none"``."""
-
-    def __init__(self, module: Any) -> None:
-        self._module = module
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-    def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        run = _current()
-        if run is None or run.engine.strategy != "none":
-            return self._module.checkpoint(function, *args, **kwargs)
-        kwargs.pop("use_reentrant", None)
-        for name in _TORCH_CHECKPOINT_OPTIONS:
-            kwargs.pop(name, None)
-        return function(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _attached(run: _Run) -> Iterator[None]:
-    """Send this thread's engine calls to ``run``. See Note [Attaching the planner]."""
-    missing = [name for name in _ATTACH_POINTS if not hasattr(_checkpoint, name)]
-    if missing:
-        raise RuntimeError(
-            "matepoint.plan cannot attach to this matepoint build: matepoint._checkpoint has no "
-            f"{', '.join(missing)}; the planner must follow the checkpoint module's changes"
+    def link_bound(self) -> bool:
+        """Whether some direction's copies need longer than the compute they overlap."""
+        return (
+            self.to_host_seconds > self.forward_seconds
+            or self.to_device_seconds > self.backward_seconds
         )
-    with _lock:
-        original = {name: getattr(_checkpoint, name) for name in _ATTACH_POINTS}
-        pack, unpack = original["pack"], original["unpack"]
 
-        def planned_pack(tensor: torch.Tensor, options: OffloadSettings, pipelined: bool) -> Any:
-            current = _current()
-            if current is None:
-                return pack(tensor, options, pipelined)
-            return current.engine.pack(tensor, current.options or options, pipelined)
+    def to_dict(self, max_points: int = 2000) -> dict[str, Any]:
+        """Return a JSON-ready dict, the timeline thinned to at most ``max_points`` points.
 
-        def planned_unpack(saved: Any, options: OffloadSettings) -> torch.Tensor:
-            if isinstance(saved, SimRecord):
-                return saved.engine.unpack(saved, run.options or options)
-            if isinstance(saved, torch.Tensor):
-                return saved
-            result: torch.Tensor = unpack(saved, options)
-            return result
+        Thinning keeps every local extreme it can, so the peak survives.
+        """
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        fields["timeline"] = [
+            dataclasses.astuple(point) for point in _thin(self.timeline, max_points)
+        ]
+        fields["timeline_columns"] = [field.name for field in dataclasses.fields(TimelinePoint)]
+        return fields
 
-        setattr(_checkpoint, "pack", planned_pack)  # noqa: B010  (a module global, not an attribute)
-        setattr(_checkpoint, "unpack", planned_unpack)  # noqa: B010
-        proxy = _TorchCheckpointProxy(original["torch_checkpoint"])
-        setattr(_checkpoint, "torch_checkpoint", proxy)  # noqa: B010
-        _local.run = run
-        try:
-            yield
-        finally:
-            _local.run = None
-            for name, value in original.items():
-                setattr(_checkpoint, name, value)
+
+def _thin(points: tuple[TimelinePoint, ...], limit: int) -> list[TimelinePoint]:
+    if len(points) <= limit:
+        return list(points)
+    stride = -(-len(points) // limit)
+    kept: list[TimelinePoint] = []
+    for start in range(0, len(points), stride):
+        window = points[start : start + stride]
+        top = max(window, key=lambda point: point.device_bytes)
+        low = min(window, key=lambda point: point.device_bytes)
+        kept.extend(sorted({id(top): top, id(low): low}.values(), key=window.index))
+    return kept
 
 
 def _adopt_existing(tracker: MemoryTracker, fn: Any, values: Any) -> None:
@@ -202,47 +172,68 @@ def run_step(
     strategy: Strategy,
     options: OffloadSettings | None,
     loss_fn: Callable[[Any], torch.Tensor] | None,
-    device_type: str = "meta",
-) -> StepRecord:
-    """Run forward and backward of ``fn`` once under ``strategy`` and record its memory.
+    link_bandwidth: float,
+    peak_flops: float,
+) -> tuple[StrategyPlan, tuple[SavedInput, ...]]:
+    """Run forward and backward of ``fn`` once under ``strategy`` and report its memory.
 
     Args:
         fn: The model or function; its tensors must be on the meta device.
         args: Its positional arguments.
         kwargs: Its keyword arguments.
         strategy: ``"none"``, ``"torch"`` or ``"matepoint"``.
-        options: Options every offloading checkpoint uses instead of its own, or None.
+        options: Settings every offloading checkpoint uses instead of its own, or None.
         loss_fn: Turns the output into the loss; None sums it.
-        device_type: The device standing in for CUDA. Default: ``"meta"``.
+        link_bandwidth: Bytes per second each way, for the link times.
+        peak_flops: FLOP/s, for the compute times.
 
     Returns:
-        The step's record.
+        The step's plan, and every checkpoint input matepoint saw, in order.
     """
-    tracker = MemoryTracker(device_type)
-    engine = SimEngine(tracker, strategy, device_type)
-    run = _Run(engine, options)
-    with _attached(run), compat.meta_checkpointing(), tracker, CudaKernels(tracker, device_type):
+    tracker = MemoryTracker("meta")
+    planned = PlannedEngine(tracker, strategy, options)
+    engine = planned.engine
+    with planning_scope(planned), compat.meta_checkpointing(), tracker, CudaKernels(tracker):
         _adopt_existing(tracker, fn, (args, kwargs))
         with torch.enable_grad():
             loss = _loss_of(fn(*args, **kwargs), loss_fn)
         tracker.mark("forward_end")
-        forward_flops = tracker.flops
         compat.run_backward(loss)
         del loss
-        engine.finish()
+        engine.settle(block=False)  # what died at the end of the step, as stats() settles it
         tracker.mark("backward_end")
         tracker.close()
-    return StepRecord(
+    stats = OffloadStats()
+    stats.add(engine.counters)
+    stats.add(engine.pool.snapshot())
+    stats.live_records, stats.device_bytes_held = engine.live_records(), engine.held_bytes()
+    counters = {name: int(value) for name, value in dataclasses.asdict(stats).items()}
+    samples = tracker.samples
+    forward_end = samples[tracker.marks["forward_end"]][1]
+    forward_flops = tracker.flops_at["forward_end"]
+    backward_flops = tracker.flops - forward_flops
+    to_host, to_device = counters["bytes_offloaded"], counters["bytes_fetched"]
+    plan = StrategyPlan(
         strategy=strategy,
-        samples=tuple(tracker.samples),
+        peak_bytes=tracker.peak_bytes(),
         baseline_bytes=tracker.preexisting_bytes,
         parameter_bytes=tracker.parameter_bytes,
-        forward_end=tracker.marks["forward_end"],
-        forward_flops=forward_flops,
-        total_flops=tracker.flops,
-        counters=engine.counters,
+        held_after_forward_bytes=forward_end - samples[0][1],
         pinned_bytes=engine.pool.pinned_bytes,
-        pageable_bytes=engine.peak_pageable_bytes,
-        pool_would_raise=engine.pool_would_raise,
-        saves=tuple(engine.saves),
+        pageable_bytes=planned.peak_pageable_bytes,
+        bytes_to_host=to_host,
+        bytes_to_device=to_device,
+        forward_flops=forward_flops,
+        backward_flops=backward_flops,
+        to_host_seconds=to_host / link_bandwidth,
+        to_device_seconds=to_device / link_bandwidth,
+        forward_seconds=forward_flops / peak_flops,
+        backward_seconds=backward_flops / peak_flops,
+        counters=counters,
+        pool_would_raise=planned.pool_would_raise,
+        timeline=tuple(
+            TimelinePoint(flops, device + tracker.preexisting_bytes, host, in_use, PHASES[phase])
+            for flops, device, host, in_use, phase in samples
+        ),
     )
+    return plan, tuple(planned.saves)

@@ -17,7 +17,7 @@ Note [Bytes before the step]
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ See Note [cuBLAS workspaces]."""
 _MATRIX_PRODUCTS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm"})
 
 Sample = tuple[int, int, int, int, int]
-"""One timeline sample: ``(flops so far, device bytes, pinned bytes, pinned in use, phase)``.
+"""One timeline sample: ``(flops so far, device bytes, host bytes, host bytes in use, phase)``.
 
 Device bytes are relative; see Note [Bytes before the step].
 """
@@ -110,8 +110,8 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.preexisting_bytes = 0
         self.preexisting_freed = 0
         self.parameter_bytes = 0
-        self.pinned_bytes = 0
-        self.pinned_in_use = 0
+        # Host bytes held and in use now (the plan's pinned pool), read at every sample.
+        self.host: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.samples: list[Sample] = [(0, 0, 0, 0, 0)]
         self.marks: dict[str, int] = {}
         self.flops_at: dict[str, int] = {}
@@ -155,6 +155,12 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         """Count a tensor that exists before the step (a parameter, an input, a gradient)."""
         self._watch(tensor, preexisting=True)
 
+    def exclude(self, tensor: torch.Tensor) -> None:
+        """Never count ``tensor``'s storage (a host block: host memory, not device memory)."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        self._live[key] = _Live(weakref.ref(storage, self._freed_callback(key)), 0, True)
+
     def _watch(self, tensor: torch.Tensor, preexisting: bool) -> None:
         if tensor.device.type != self.device_type or tensor.layout != torch.strided:
             return
@@ -197,25 +203,13 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def sample(self) -> None:
         """Append the current state to the timeline."""
-        self.samples.append(
-            (
-                self.flops,
-                self.step_bytes - self.preexisting_freed,
-                self.pinned_bytes,
-                self.pinned_in_use,
-                self.phase,
-            )
-        )
+        host, host_in_use = self.host()
+        device = self.step_bytes - self.preexisting_freed
+        self.samples.append((self.flops, device, host, host_in_use, self.phase))
 
     def add_flops(self, flops: int) -> None:
         """Count FLOPs of work the tracker cannot see as operators (imitated kernels)."""
         self.flops += flops
-
-    def set_host(self, pinned_bytes: int, in_use_bytes: int) -> None:
-        """Record the simulated pinned pool's size and the part of it holding live copies."""
-        if (pinned_bytes, in_use_bytes) != (self.pinned_bytes, self.pinned_in_use):
-            self.pinned_bytes, self.pinned_in_use = pinned_bytes, in_use_bytes
-            self.sample()
 
     def mark(self, name: str) -> None:
         """Name the current moment (``"forward_end"``) and move to the next phase."""
@@ -237,10 +231,6 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._leaves.clear()
 
     # -- results ---------------------------------------------------------------------------
-
-    def absolute(self, sample: Sample) -> int:
-        """Return a sample's device bytes including everything allocated before the step."""
-        return sample[1] + self.preexisting_bytes
 
     def peak_bytes(self) -> int:
         """Return the most device bytes alive at any moment of the step."""

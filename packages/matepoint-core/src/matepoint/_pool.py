@@ -55,7 +55,7 @@ class PinnedPool:
         self.blocks_allocated = 0
         self.blocks_reused = 0
         self.pageable_fallbacks = 0
-        self._warned_pageable = False
+        self.warn_on_fallback = True  # once per pool
 
     def acquire(self, nbytes: int, options: OffloadSettings, *, on_side_stream: bool) -> HostBlock:
         """Return a host block of exactly ``nbytes``, pinned unless the policy allows otherwise.
@@ -118,8 +118,8 @@ class PinnedPool:
                 "free host memory, or "
                 "set on_pool_exhausted='pageable' to continue with slower pageable copies."
             )
-        if not self._warned_pageable:
-            self._warned_pageable = True
+        if self.warn_on_fallback:
+            self.warn_on_fallback = False
             warnings.warn(
                 f"matepoint: {failure}; offloading to pageable host memory from now on when "
                 "pinned memory is short (copies are slower). Set on_pool_exhausted='raise' to "

@@ -16,18 +16,28 @@ Note [Record lifetime]
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from typing import Any, Protocol
 
 import torch
 
 import matepoint_compat as compat
 from matepoint._errors import InplaceModificationError
+from matepoint._options import OffloadSettings
+from matepoint._pool import HostBlock
+from matepoint._transport import Channel
 
-if TYPE_CHECKING:
-    from matepoint._engine import ChannelEngine
-    from matepoint._pool import HostBlock
+__all__ = ["KeptTensor", "Record", "RecordOwner", "inplace_error"]
 
-__all__ = ["KeptTensor", "Record", "inplace_error"]
+
+class RecordOwner(Protocol):
+    """What a record needs of the engine that made it (``matepoint._engine.ChannelEngine``)."""
+
+    channel: Channel
+    graveyard: deque[tuple[Any, ...]]
+
+    def restore(self, record: Record, options: OffloadSettings) -> torch.Tensor:
+        """Return a device tensor with the record's contents."""
 
 
 def inplace_error(
@@ -120,7 +130,7 @@ class Record:
     def __init__(
         self,
         *,
-        owner: ChannelEngine,
+        owner: RecordOwner,
         sequence: int,
         original: torch.Tensor,
         version: int,

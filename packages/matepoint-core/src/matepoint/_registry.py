@@ -5,20 +5,41 @@ the CUDA transport is in use (it holds nothing until it creates a channel). Engi
 by their channel key; when the transport is swapped out, engines of the old one that hold nothing
 any more are forgotten (their counts kept for stats), so an unused transport and its pool can be
 freed.
+
+Note [Planning scope]
+    ``matepoint.plan`` runs the user's own step with a :class:`Planning` installed for its thread
+    (``planning_scope``). While one is, that thread's checkpoint calls take their options from it
+    (or, for the no-checkpoint strategy, run their function directly), and ``_saving.pack`` sends
+    the saved inputs to the plan's own :class:`ChannelEngine`, over a channel that moves nothing,
+    and tells the plan what became of each. Nothing process-wide changes: other threads offload
+    as ever, and a record knows its engine, so backward restores each one where it was made,
+    on whichever thread autograd runs it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
+from typing import Protocol
 
 import torch
 
 from matepoint._engine import ChannelEngine
+from matepoint._options import ResolvedOptions
 from matepoint._stats import OffloadStats
 from matepoint._transport import CudaTransport, Transport
 
-__all__ = ["all_engines", "engine_for", "retired", "set_transport", "transport"]
+__all__ = [
+    "Planning",
+    "all_engines",
+    "engine_of",
+    "planning",
+    "planning_scope",
+    "retired",
+    "set_transport",
+    "transport",
+]
 
 _transport_lock = threading.Lock()
 _transport: Transport = CudaTransport()
@@ -58,7 +79,48 @@ def all_engines() -> list[ChannelEngine]:
         return list(_engines.values())
 
 
-def engine_for(key: Hashable, tensor: torch.Tensor, active: Transport) -> ChannelEngine:
+class Planning(Protocol):
+    """A plan running on this thread. See Note [Planning scope]."""
+
+    strategy: str
+    engine: ChannelEngine
+
+    def options_for(self, call: ResolvedOptions | None) -> ResolvedOptions | None:
+        """Return the options a checkpoint call runs with in the plan (None: no offloading)."""
+
+    def saved(self, tensor: torch.Tensor, fate: str) -> None:
+        """Hear what became of a saved input: offloaded, shared, or a ``KeepReason``."""
+
+
+_local = threading.local()
+
+
+def planning() -> Planning | None:
+    """Return the plan running on this thread, if any."""
+    current: Planning | None = getattr(_local, "planning", None)
+    return current
+
+
+@contextlib.contextmanager
+def planning_scope(plan: Planning) -> Iterator[None]:
+    """Run this thread's checkpoints as part of ``plan`` inside the block."""
+    previous = planning()
+    _local.planning = plan
+    try:
+        yield
+    finally:
+        _local.planning = previous
+
+
+def engine_of(tensor: torch.Tensor, plan: Planning | None) -> ChannelEngine | None:
+    """Return the engine that offloads ``tensor`` (the plan's, if one runs), or None to keep it."""
+    if plan is not None:
+        engine = plan.engine
+        return engine if engine.transport.channel_key(tensor) is not None else None
+    active = _transport
+    key = active.channel_key(tensor)
+    if key is None:
+        return None
     engine = _engines.get(key)
     if engine is None:
         with _transport_lock:

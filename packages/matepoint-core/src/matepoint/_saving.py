@@ -14,7 +14,7 @@ import torch
 
 from matepoint._options import ResolvedOptions
 from matepoint._records import KeptTensor, Record
-from matepoint._registry import engine_for, transport
+from matepoint._registry import engine_of, planning
 from matepoint._stats import Counters
 
 __all__ = ["KeepReason", "count_kept", "keep_reason", "kept_counters", "pack", "unpack"]
@@ -117,15 +117,21 @@ def pack(tensor: torch.Tensor, options: ResolvedOptions, pipelined: bool) -> Rec
     Returns:
         The object autograd keeps in place of the tensor.
     """
+    plan = planning()  # See Note [Planning scope] in matepoint._registry.
     reason = keep_reason(tensor, options.min_offload_bytes)
     if reason is None:
-        active = transport()
-        key = active.channel_key(tensor)
-        if key is not None and _is_dense(tensor):
-            return engine_for(key, tensor, active).offload(tensor, options, pipelined)
+        engine = engine_of(tensor, plan)
+        if engine is not None and _is_dense(tensor):
+            record = engine.offload(tensor, options, pipelined)
+            if plan is not None:
+                plan.saved(tensor, "offloaded" if record.packs == 1 else "shared")
+            return record
         reason = "other"
-    with _kept_lock:
-        count_kept(kept_counters, reason)
+    if plan is not None:
+        plan.saved(tensor, reason)
+    else:
+        with _kept_lock:
+            count_kept(kept_counters, reason)
     return KeptTensor(tensor)
 
 

@@ -45,7 +45,29 @@ import torch
 
 import matepoint_compat as compat
 
-__all__ = ["Channel", "CudaTransport", "Transport"]
+__all__ = ["Channel", "CudaTransport", "Transport", "set_side_stream_delay", "side_stream_delay"]
+
+_side_stream_delay = 0
+
+
+def side_stream_delay() -> int:
+    """Return the test delay, in GPU cycles, queued on the side stream before each copy."""
+    return _side_stream_delay
+
+
+def set_side_stream_delay(cycles: int) -> None:
+    """Set the test delay (``matepoint.testing.delay_side_stream`` is the public way).
+
+    The delay belongs to the transport, not to a call's options: the CUDA channel reads it at
+    each copy, so a race probe acts on every copy while it is set.
+
+    Raises:
+        ValueError: If ``cycles`` is not an ``int >= 0`` (a ``bool`` is refused).
+    """
+    global _side_stream_delay
+    if isinstance(cycles, bool) or not isinstance(cycles, int) or cycles < 0:
+        raise ValueError(f"delay_side_stream.cycles must be an int >= 0, got {cycles!r}")
+    _side_stream_delay = cycles
 
 
 class Channel(Protocol):
@@ -60,15 +82,20 @@ class Channel(Protocol):
     def current_compute(self) -> Any:
         """Return the compute stream now current on the device (a token for the engine)."""
 
-    def copy_out(
-        self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int, compute: Any
-    ) -> Any:
-        """Queue ``host.copy_(source)`` on the side stream after ``compute``; return its event.
+    def memory_key(self, tensor: torch.Tensor) -> Hashable:
+        """Return what identifies the memory ``tensor`` starts at, for dedupe.
 
-        ``compute`` is :meth:`current_compute`'s token.
+        The address where tensors have one (``data_ptr``); a channel whose tensors hold no memory
+        (the planner's meta channel) names the storage and offset instead.
         """
 
-    def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
+    def copy_out(self, source: torch.Tensor, host: torch.Tensor, compute: Any) -> Any:
+        """Queue ``host.copy_(source)`` on the side stream after ``compute``; return its event.
+
+        ``compute`` is :meth:`current_compute`'s token. None means the copy has finished.
+        """
+
+    def copy_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Queue a copy of ``host`` into a new device tensor on the side stream; return both."""
 
     def copy_out_now(self, source: torch.Tensor, host: torch.Tensor) -> None:
@@ -139,6 +166,9 @@ class _CudaChannel:
     def current_compute(self) -> Any:
         return self._module.current_stream(self.index)
 
+    def memory_key(self, tensor: torch.Tensor) -> Hashable:
+        return tensor.data_ptr()
+
     def _on_side_stream(self, compute: Any, copy: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run ``copy`` with the side stream current, then make ``compute`` current again."""
         if self._module.current_device() != self.index:
@@ -150,19 +180,17 @@ class _CudaChannel:
         finally:
             compat.set_current_stream(self._module, compute)
 
-    def copy_out(
-        self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int, compute: Any
-    ) -> Any:
+    def copy_out(self, source: torch.Tensor, host: torch.Tensor, compute: Any) -> Any:
         self._compute_done.record(compute)
         self.side_stream.wait_event(self._compute_done)
-        compat.delay_stream(self.side_stream, delay_cycles)
+        compat.delay_stream(self.side_stream, _side_stream_delay)
         self._on_side_stream(compute, lambda: host.copy_(source, non_blocking=True))
         done = self._module.Event()
         done.record(self.side_stream)
         return done
 
-    def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
-        compat.delay_stream(self.side_stream, delay_cycles)
+    def copy_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        compat.delay_stream(self.side_stream, _side_stream_delay)
         # ``to`` allocates a dense host's exact strides (``empty_strided``), then copies.
         target = self._on_side_stream(
             self.current_compute(), lambda: host.to(self.device, non_blocking=True)

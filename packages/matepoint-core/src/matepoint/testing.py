@@ -27,9 +27,8 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from matepoint._options import set_side_stream_delay, side_stream_delay
 from matepoint._registry import set_transport, transport
-from matepoint._transport import Channel, Transport
+from matepoint._transport import Channel, Transport, set_side_stream_delay, side_stream_delay
 
 __all__ = [
     "POISON_BYTE",
@@ -119,9 +118,10 @@ class _CPUTestChannel:
     def current_compute(self) -> Any:
         return None
 
-    def copy_out(
-        self, source: torch.Tensor, host: torch.Tensor, delay_cycles: int, compute: Any = None
-    ) -> Any:
+    def memory_key(self, tensor: torch.Tensor) -> Hashable:
+        return tensor.data_ptr()
+
+    def copy_out(self, source: torch.Tensor, host: torch.Tensor, compute: Any = None) -> Any:
         self.owner.copies_out += 1
         source_ref = weakref.ref(source)
         snapshot_version = source._version
@@ -145,7 +145,7 @@ class _CPUTestChannel:
 
         return self._queue(run)
 
-    def copy_in(self, host: torch.Tensor, delay_cycles: int) -> tuple[torch.Tensor, Any]:
+    def copy_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
         self.owner.copies_in += 1
         target = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device="cpu")
         _poison(target)
