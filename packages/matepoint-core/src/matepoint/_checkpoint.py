@@ -28,6 +28,7 @@ from matepoint._options import (
     misplaced_setting_error,
     resolve,
 )
+from matepoint._registry import planning
 from matepoint._saving import pack, unpack
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -249,6 +250,11 @@ def _checkpoint(
         error = misplaced_setting_error(kwargs, function)
         if error is not None:
             raise error
+    plan = planning()
+    if plan is not None:  # See Note [Planning scope] in matepoint._registry.
+        if plan.strategy == "none":
+            return function(*args, **kwargs)
+        options = plan.options_for(options)
     adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)
     if (
         options is None
