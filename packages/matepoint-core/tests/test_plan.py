@@ -15,7 +15,6 @@ the caller's input and the newest input are served on the device, so ``L - 2`` c
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -223,6 +222,22 @@ def test_pool_cap_spills_to_pageable() -> None:
     assert matepoint.plan(chain(5), meta_input(), options=raising)["matepoint"].pool_would_raise
 
 
+def test_options_may_be_a_calls_offload_options() -> None:
+    """``OffloadOptions`` resolve over the settings in force, as a checkpoint's ``offload=``."""
+    everything = matepoint.plan(chain(5), meta_input(), options=matepoint.OffloadOptions())
+    assert everything["matepoint"].bytes_to_host == 5 * B
+    call = matepoint.OffloadOptions(min_offload_bytes=B + 1)
+    with matepoint.options(stash_bytes=3 * B, prefetch=1):
+        plan = matepoint.plan(chain(5), meta_input(), options=call)
+    assert plan.options is not None
+    assert (plan.options.min_offload_bytes, plan.options.stash_bytes) == (B + 1, 3 * B)
+    assert plan.options.prefetch == 1
+    assert {save.fate for save in plan.saves} == {"small"}
+    assert plan["matepoint"].link_bytes == 0
+    with pytest.raises(ValueError, match="enabled=False"):
+        matepoint.plan(chain(2), meta_input(), options=matepoint.OffloadOptions(enabled=False))
+
+
 def dataclasses_replace(options: matepoint.OffloadSettings, **fields: Any) -> Any:
     import dataclasses
 
@@ -264,63 +279,7 @@ def test_times_follow_bandwidth_and_flops() -> None:
     assert mate.forward_seconds == pytest.approx(4 * matmul / 1e12)
 
 
-# -- the planner's replay against the real engine ------------------------------------------------
-
-
-def _x0_model(depth: int, device: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    def model(x: torch.Tensor) -> torch.Tensor:
-        x0 = x.cos()
-        small = x[:16].tanh()
-        for i in range(depth):
-            x = matepoint.checkpoint(lambda h, r, s: (h * r).sin() + s.sum(), x, x0, small)
-            if i == 1:
-                x = x * 1.0  # a block input that is not the previous output
-        return x
-
-    return model
-
-
-CONFORMANCE_OPTIONS = [
-    {"min_offload_bytes": 0, "stash_bytes": 0, "prefetch": 2},
-    {"min_offload_bytes": 1024, "stash_bytes": 0, "prefetch": 0},
-    {"min_offload_bytes": 1024, "stash_bytes": 2 * B, "prefetch": 1},
-    {"min_offload_bytes": 0, "stash_bytes": B, "prefetch": 3},
-]
-COMPARED = (
-    "offloads",
-    "bytes_offloaded",
-    "fetches",
-    "bytes_fetched",
-    "prefetches",
-    "prefetch_hits",
-    "stash_hits",
-    "bytes_served_from_stash",
-    "dedupe_hits",
-    "shared_fetch_hits",
-    "skipped_small",
-)
-
-
-@pytest.mark.parametrize(
-    "fields", CONFORMANCE_OPTIONS, ids=lambda f: "-".join(map(str, f.values()))
-)
-def test_replay_matches_the_real_engine(fields: dict[str, int]) -> None:
-    depth = 6
-    options = matepoint.OffloadSettings(**fields)
-    gc.collect()
-    with use_transport(CPUTestTransport(completion="immediate")), matepoint.options(**fields):
-        matepoint.release_pool()
-        before = matepoint.stats()
-        x = torch.randn(N, requires_grad=True)
-        _x0_model(depth, "cpu")(x).sum().backward()
-        del x
-        gc.collect()
-        real = matepoint.stats()
-    plan = matepoint.plan(_x0_model(depth, "meta"), meta_input(), options=options)
-    mate = plan["matepoint"]
-    for name in COMPARED:
-        assert mate.counters[name] == getattr(real, name) - getattr(before, name), name
-    assert mate.pinned_bytes == real.pool_pinned_bytes - before.pool_pinned_bytes
+# -- the planner beside the real engine (the counters: see test_plan_conformance.py) ------------
 
 
 def test_plan_leaves_the_real_engine_alone() -> None:
@@ -395,6 +354,27 @@ def test_recommend_offloads_nothing_when_torch_checkpoint_fits() -> None:
     assert advice.plan.link_bytes == 0
     assert advice.options.min_offload_bytes > B  # keeps every block input on the device
     assert "no offloading needed" in str(advice)
+    # A round threshold (the next power of two), not the largest input's size plus one.
+    assert advice.options.min_offload_bytes == 2 * B
+    assert f"min_offload_bytes={2 * B}:" in str(advice)
+
+
+def test_threshold_candidates_are_round() -> None:
+    from matepoint._plan_engine import SavedInput
+    from matepoint._plan_recommend import _threshold_classes
+
+    def saves(*sizes: int) -> tuple[SavedInput, ...]:
+        return tuple(
+            SavedInput(i, size, (size,), "torch.uint8", "offloaded") for i, size in enumerate(sizes)
+        )
+
+    mib = 1 << 20
+    # Between two sizes: the power of two above the kept one, if the moved one reaches it.
+    assert _threshold_classes(saves(3 * mib, 5 * mib), 1) == [1, 4 * mib, 8 * mib]
+    # Else the size of the smallest input moved.
+    assert _threshold_classes(saves(32 * mib, 48 * mib), 1) == [1, 48 * mib, 64 * mib]
+    # A current value inside a class stands for it.
+    assert _threshold_classes(saves(32 * mib, 48 * mib), 40 * mib) == [1, 40 * mib, 64 * mib]
 
 
 def test_recommend_stashes_as_much_as_fits() -> None:
