@@ -1,10 +1,16 @@
-"""Every workflow of the matepoint monorepo. Start with `nox -s tests`; `nox -t tests` runs all."""
+"""Every workflow of the matepoint monorepo.
 
-# Notes for maintainers (kept out of the docstring, which ``nox -l`` prints above the list):
+Start with `nox -s tests` (torch 2.13 on the CPU, what CI runs; `-- --run-slow` adds the slow
+tests). `nox -t tests` runs the twelve `tests-2.x` sessions instead, one per torch release from
+2.4 to 2.15 (`TORCH_VERSIONS=2.4,2.13` narrows them). Where uv is not installed, nox first logs
+"uv not found": that is not an error, the sessions that prefer uv use virtualenv instead.
+"""
+
+# Notes for maintainers (kept out of the docstring, which `nox -l` prints above the list):
 #
-# - ``tests-2.4`` ... ``tests-2.15`` (tag ``tests``) run the same tests against each torch
-#   release; ``TORCH_VERSIONS=2.4,2.13 nox -t tests`` narrows the set. Each prints the installed
-#   torch and pytest's counts: the row of that release in ``docs/compat.md``.
+# - `tests-2.4` ... `tests-2.15` (tag `tests`) run the same tests against each torch
+#   release; `TORCH_VERSIONS=2.4,2.13 nox -t tests` narrows the set. Each prints the installed
+#   torch and pytest's counts: the row of that release in `docs/compat.md`.
 # - Why two venv backends: ``tests``, ``typecheck``, ``demo`` and ``smoke-wheels`` ask for
 #   torch==2.13.0 through plain pip, which takes a CPU build where the machine provides one (the
 #   development machines and CI do). uv looks only at the index and would download a CUDA build
@@ -14,6 +20,7 @@
 from __future__ import annotations
 
 import ast
+import logging
 import os
 import re
 import shutil
@@ -24,6 +31,26 @@ from nox.command import CommandFailed
 
 nox.needs_version = ">=2024.4.15"
 nox.options.default_venv_backend = "uv|virtualenv"
+
+
+class _ExplainMissingUv(logging.Filter):
+    """Reword nox's "uv binary not found." so that it does not read as an error.
+
+    nox looks for uv before creating any environment, also for the sessions that use venv, and
+    logs that line when uv is absent. Nothing fails: "uv|virtualenv" falls back to virtualenv.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() == "uv binary not found.":
+            record.msg = (
+                "uv not found, which is fine: the sessions that prefer uv (lint, docs, the "
+                "tests-2.x matrix) use virtualenv instead (pip install uv to use it)"
+            )
+            record.args = ()
+        return True
+
+
+logging.getLogger("nox").addFilter(_ExplainMissingUv())
 nox.options.error_on_external_run = True
 nox.options.sessions = ["lint", "typecheck", "tests"]
 
@@ -82,7 +109,7 @@ def _install_packages(session: nox.Session, torch_spec: str) -> None:
     release); the packages' ``torch>=2.4`` is then already satisfied and pulls nothing more.
     Non-editable installs make the tests see what a user gets, package data and all.
     """
-    session.install(torch_spec)
+    session.install(torch_spec, silent=False)  # the installer's own progress for the download
     # uv reuses its cached build of a local folder until the folder's pyproject.toml changes, and
     # keeps an installed copy of the same version, so a reused environment (`nox -r`) or one
     # built from that cache would test stale sources: rebuild and reinstall the three each time.
@@ -94,11 +121,21 @@ def _install_packages(session: nox.Session, torch_spec: str) -> None:
     session.run("python", "-c", SMOKE_IMPORT)
 
 
+def _announce_torch(session: nox.Session, torch_spec: str, purpose: str) -> None:
+    """Say that a torch download may follow, and how large, before the long install starts."""
+    session.log(
+        f"installing {torch_spec} for {purpose}: on Linux, PyPI's torch is the CUDA build, "
+        "several GB with its NVIDIA libraries, so the first run downloads for a few minutes "
+        "(the installer caches it for the next); where a CPU wheel is at hand it takes that"
+    )
+
+
 def _run_tests(session: nox.Session, torch_spec: str, extra: tuple[str, ...] = ()) -> None:
     """Install against ``torch_spec`` and run the three packages' tests (pytest.ini's testpaths).
 
     ``extra`` are optional libraries whose integration tests otherwise skip.
     """
+    _announce_torch(session, torch_spec, "the tests")
     _install_packages(session, torch_spec)
     if extra:
         session.install(*extra)
@@ -108,7 +145,7 @@ def _run_tests(session: nox.Session, torch_spec: str, extra: tuple[str, ...] = (
 
 @nox.session(venv_backend="venv")
 def tests(session: nox.Session) -> None:
-    """Run the tests against torch 2.13.0 on the CPU (what CI runs), transformers included."""
+    """Run the tests on torch 2.13.0 (CPU) with transformers; `-- --run-slow` adds the slow ones."""
     _run_tests(session, DEFAULT_TORCH, extra=INTEGRATION_DEPS)
 
 
@@ -195,9 +232,9 @@ def _require_cuda(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def gpu(session: nox.Session) -> None:
-    """Run the tests marked ``gpu`` with the current environment's (CUDA) torch.
+    """Run the tests marked `gpu` with the current environment's (CUDA) torch.
 
-    Arguments pass through to pytest: ``-- --run-slow`` adds the long GPU soak.
+    Arguments pass through to pytest: `-- --run-slow` adds the long GPU soak.
     """
     torch_version = _installed_torch(session)
     _require_cuda(session)
@@ -217,7 +254,7 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def bench(session: nox.Session) -> None:
-    """Run ``matepoint-bench`` with the current environment's torch; arguments pass through."""
+    """Run `matepoint-bench` with the current environment's torch; arguments pass through."""
     _install_beside_current_torch(session, _installed_torch(session))
     session.run("matepoint-bench", *session.posargs, external=True)
 
@@ -232,7 +269,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(venv_backend="venv")
 def typecheck(session: nox.Session) -> None:
-    """Run ``mypy --strict`` over the three source trees (mypy.ini)."""
+    """Run `mypy --strict` over the three source trees (mypy.ini)."""
     session.install(DEFAULT_TORCH)
     session.install("mypy>=1.10", "rich>=13", "matplotlib>=3.7", *TEST_DEPS)
     session.run("mypy", "--strict", *MYPY_PACKAGES, *session.posargs)
@@ -240,13 +277,8 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(venv_backend="venv")
 def demo(session: nox.Session) -> None:
-    """Install torch 2.13.0 and the packages, run ``matepoint-demo``; arguments pass through."""
-    session.log(
-        f"installing {DEFAULT_TORCH} for the demo: on Linux, PyPI's torch is the CUDA build, "
-        "several GB with its NVIDIA libraries, so the first run downloads for a few minutes "
-        "(pip caches it for the next); where a CPU wheel is at hand pip takes that"
-    )
-    session.install(DEFAULT_TORCH, silent=False)  # pip's own progress for the long download
+    """Install torch 2.13.0 and the packages, run `matepoint-demo`; arguments pass through."""
+    _announce_torch(session, DEFAULT_TORCH, "the demo")
     _install_packages(session, DEFAULT_TORCH)
     session.run("matepoint-demo", *session.posargs)
 
@@ -349,10 +381,10 @@ def smoke_wheels(session: nox.Session) -> None:
 
 @nox.session(name="publish-testpypi", venv_backend="venv", default=False)
 def publish_testpypi(session: nox.Session) -> None:
-    """Build, check and upload the release to TestPyPI; ``-- --dry-run`` stops before uploading.
+    """Build, check and upload the release to TestPyPI; `-- --dry-run` stops before uploading.
 
     Credentials come from the environment only: TWINE_PASSWORD holds an API token and
-    TWINE_USERNAME is ``__token__``. They are never put on a command line, so never logged.
+    TWINE_USERNAME is `__token__`. They are never put on a command line, so never logged.
     """
     dry_run = "--dry-run" in session.posargs
     unknown = [arg for arg in session.posargs if arg != "--dry-run"]
@@ -407,7 +439,7 @@ def _undocumented_names() -> list[str]:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Build the documentation with ``mkdocs build --strict`` into site/."""
+    """Build the documentation with `mkdocs build --strict` into site/ (open site/index.html)."""
     missing = _undocumented_names()
     if missing:
         session.error(f"docs/api.md has no `::: NAME` directive for {', '.join(missing)}")
@@ -417,6 +449,19 @@ def docs(session: nox.Session) -> None:
         "mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26", "ruff>=0.6"
     )
     session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
+    site = _site_dir(session.posargs)
+    session.log(f"documentation site written to {site}: open {site / 'index.html'} in a browser")
+
+
+def _site_dir(mkdocs_args: list[str]) -> Path:
+    """Where `mkdocs build` wrote the site: mkdocs.yml's site/, or the -d/--site-dir given."""
+    site = ROOT / "site"
+    for index, arg in enumerate(mkdocs_args):
+        if arg in ("-d", "--site-dir") and index + 1 < len(mkdocs_args):
+            site = Path(mkdocs_args[index + 1])
+        elif arg.startswith("--site-dir="):
+            site = Path(arg.split("=", 1)[1])
+    return site.resolve()
 
 
 def _clean(session: nox.Session, *paths: Path) -> None:
@@ -428,5 +473,5 @@ def _clean(session: nox.Session, *paths: Path) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def clean(session: nox.Session) -> None:
-    """Remove dist/ and site/ (what ``build`` and ``docs`` leave behind)."""
+    """Remove dist/ and site/ (what `build` and `docs` leave behind)."""
     _clean(session, DIST, ROOT / "site")
