@@ -107,7 +107,11 @@ def _threshold_classes(saves: tuple[SavedInput, ...], current: int) -> list[int]
     """
     sizes = sorted({save.nbytes for save in saves if save.fate in _OFFLOADABLE})
     bounds = [1, *(size + 1 for size in sizes)]
-    rounds = [1, *(_round_threshold(size, bigger) for size, bigger in pairwise([*sizes, None]))]
+    larger: list[int | None] = [*sizes[1:], None]
+    rounds = [
+        1,
+        *(_round_threshold(size, bigger) for size, bigger in zip(sizes, larger, strict=True)),
+    ]
     classes = [
         current if low <= current < high else round_value
         for (low, high), round_value in zip(pairwise(bounds), rounds, strict=False)

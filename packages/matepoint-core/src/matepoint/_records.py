@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -25,16 +26,23 @@ import matepoint_compat as compat
 from matepoint._errors import InplaceModificationError
 from matepoint._options import OffloadSettings
 from matepoint._pool import HostBlock
+from matepoint._stats import Counters
 from matepoint._transport import Channel
 
 __all__ = ["KeptTensor", "Record", "RecordOwner", "inplace_error"]
 
 
 class RecordOwner(Protocol):
-    """What a record needs of the engine that made it (``matepoint._engine.ChannelEngine``)."""
+    """What a record's users need of the engine that made it (``matepoint._engine``)."""
 
-    channel: Channel
-    graveyard: deque[tuple[Any, ...]]
+    @property
+    def channel(self) -> Channel: ...
+    @property
+    def graveyard(self) -> deque[tuple[Any, ...]]: ...
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+    @property
+    def counters(self) -> Counters: ...
 
     def restore(self, record: Record, options: OffloadSettings) -> torch.Tensor:
         """Return a device tensor with the record's contents."""

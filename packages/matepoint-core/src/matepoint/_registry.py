@@ -82,8 +82,13 @@ def all_engines() -> list[ChannelEngine]:
 class Planning(Protocol):
     """A plan running on this thread. See Note [Planning scope]."""
 
-    strategy: str
-    engine: ChannelEngine
+    @property
+    def strategy(self) -> str:
+        """``"none"`` (no checkpoint), ``"torch"`` (no offloading) or ``"matepoint"``."""
+
+    @property
+    def engine(self) -> ChannelEngine:
+        """The plan's own engine, over a channel that moves nothing."""
 
     def options_for(self, call: ResolvedOptions | None) -> ResolvedOptions | None:
         """Return the options a checkpoint call runs with in the plan (None: no offloading)."""
@@ -115,8 +120,8 @@ def planning_scope(plan: Planning) -> Iterator[None]:
 def engine_of(tensor: torch.Tensor, plan: Planning | None) -> ChannelEngine | None:
     """Return the engine that offloads ``tensor`` (the plan's, if one runs), or None to keep it."""
     if plan is not None:
-        engine = plan.engine
-        return engine if engine.transport.channel_key(tensor) is not None else None
+        planned = plan.engine
+        return planned if planned.transport.channel_key(tensor) is not None else None
     active = _transport
     key = active.channel_key(tensor)
     if key is None:

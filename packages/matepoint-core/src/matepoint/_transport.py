@@ -65,9 +65,10 @@ def set_side_stream_delay(cycles: int) -> None:
         ValueError: If ``cycles`` is not an ``int >= 0`` (a ``bool`` is refused).
     """
     global _side_stream_delay
-    if isinstance(cycles, bool) or not isinstance(cycles, int) or cycles < 0:
-        raise ValueError(f"delay_side_stream.cycles must be an int >= 0, got {cycles!r}")
-    _side_stream_delay = cycles
+    value: object = cycles  # checked as any object: callers may pass anything
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"delay_side_stream.cycles must be an int >= 0, got {value!r}")
+    _side_stream_delay = value
 
 
 class Channel(Protocol):
