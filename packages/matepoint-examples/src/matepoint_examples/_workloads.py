@@ -163,7 +163,7 @@ WORKLOADS: dict[str, Workload] = {
         Workload("gpt12", "gpt", 12, 768, 6, 8, 2048, "bf16"),
         Workload("nanochat12", "gpt", 12, 768, 6, 8, 2048, "bf16", x0_mixing=True,
                  note="x0 is an input of every checkpoint"),
-        Workload("cpu-small", "latent", 8, 256, 4, 2, 256, "fp32",
+        Workload("cpu-small", "latent", 8, 128, 4, 2, 256, "fp32",
                  note="the CPU run without a GPU"),
     )
 }  # fmt: skip

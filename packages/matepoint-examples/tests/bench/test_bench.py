@@ -86,6 +86,10 @@ def test_worker_train_json(capsys: pytest.CaptureFixture[str], strategy: str) ->
     assert result["step_time_s"] > 0
     assert result["held_after_forward_bytes"] is None  # no device memory counter on CPU
     assert result["bytes_offloaded"] > 0
+    # A memcpy through the test transport is no link, and the host RAM is the step's own: a
+    # CPU row gives no throughput and no host RAM per offloaded byte (before: 0.0 and 10.09).
+    assert result["link_gbps"] is None
+    assert result["host_per_offloaded"] is None
     assert "bytes_fetched" in result["matepoint_stats"]
 
 
@@ -245,7 +249,7 @@ def test_a_paired_run_cut_short_is_flagged_in_every_table(
     assert "partial" in capsys.readouterr().out  # the terminal table says so too
 
 
-def test_end_to_end_subprocesses(tmp_path: Path) -> None:
+def test_end_to_end_subprocesses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench"
     rc = bench.main(
         ["--device", "cpu", "--mode", "all", "--strategies", "copies-floor,torchtune",
@@ -270,7 +274,50 @@ def test_end_to_end_subprocesses(tmp_path: Path) -> None:
     assert md.count("| cpu-small | copies-floor | ok |") == 2  # paired and memory tables
     assert "[" in md.split("| cpu-small | copies-floor | ok |")[1].splitlines()[0]  # the IQR
     assert (out / "step_time_ratio.png").stat().st_size > 0
-    assert (out / "memory_vs_depth.png").stat().st_size > 0
+    # No device memory on a CPU: no plot of it (before, an empty box), and a line says so.
+    assert not (out / "memory_vs_depth.png").exists()
+    printed = capsys.readouterr().out
+    assert "not plotted: memory_vs_depth.png (no device memory)" in printed
+    # What was asked for ran; the notice names it.
+    assert printed.startswith("No GPU: running --mode all, torch, copies-floor, torchtune on ")
+
+
+def test_a_cpu_run_says_in_one_line_what_it_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a GPU the default run is the paired run of torch and matepoint, said once."""
+    out = tmp_path / "bench"
+    rc = bench.main(["--device", "cpu", "--quick", "--rounds", "1", "--out", str(out), *TINY])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    notice = [line for line in lines if "GPU" in line and "No GPU" in line]
+    assert notice == [bench.cpu_notice("paired", ["torch", "matepoint"], ["cpu-small"])]
+    assert notice[0] == lines[0]
+    assert "not device memory, link speed or GPU step times" in notice[0]
+    data = json.loads((out / "results.json").read_text())
+    assert [r["strategy"] for r in data["paired"]] == ["torch", "matepoint"]
+    assert data["memory"] == []  # before: one process per strategy, every memory cell "-"
+    assert data["transfer"] is None  # before: a memcpy reported as a link at "fraction 0.08"
+    table = "\n".join(lines)
+    assert "/ torch [IQR]" in table
+    assert "out / step" in table  # matepoint's bytes moved, which a CPU does count
+    for unmeasured in ("fwd GPU / torch", "bwd GPU / torch", "held after fwd"):
+        assert unmeasured not in table  # a column of dashes on a CPU
+    assert sorted(p.name for p in out.iterdir()) == [
+        "results.json",
+        "results.md",
+        "step_time_ratio.png",
+    ]
+
+
+def test_help_names_the_output_folder(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "250")  # argparse would break "bench-results" at its hyphen
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--out OUT output folder, made if missing (default: ./bench-results" in text
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ __all__ = [
     "PAIRED_COLUMNS",
     "add_host_baselines",
     "compile_notes",
+    "measured_columns",
     "notes",
     "ratio_cell",
     "rich_memory_table",
@@ -51,7 +52,7 @@ def add_host_baselines(rows: Sequence[Row]) -> None:
         offloaded = r.get("bytes_offloaded")
         if r.get("status") == "ok" and host is not None and host_ref is not None:
             r["host_extra_vs_torch_bytes"] = host - host_ref
-            if offloaded:
+            if offloaded and not str(r.get("device", "")).startswith("cpu"):  # see _worker
                 r["host_per_offloaded"] = (host - host_ref) / offloaded
 
 
@@ -222,8 +223,28 @@ def compile_notes(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
+def measured_columns(
+    columns: Sequence[str], body: Sequence[list[str]]
+) -> tuple[list[str], list[list[str]]]:
+    """Drop the columns no row measured (every cell ``-``), keeping the first three.
+
+    A CPU run has no GPU spans, no device memory and no link: a table of those columns is a
+    grid of dashes that reads as if something had failed. The JSON keeps every field.
+
+    Args:
+        columns: Column names.
+        body: Rows of cells, as many as ``columns``.
+
+    Returns:
+        The columns kept and the rows' cells in them.
+    """
+    keep = [i for i in range(len(columns)) if i < 3 or any(cells[i] != "-" for cells in body)]
+    return [columns[i] for i in keep], [[cells[i] for i in keep] for cells in body]
+
+
 def _rich(title: str, columns: Sequence[str], body: Sequence[list[str]]) -> Table:
-    """Build a rich table with the first three columns left-aligned."""
+    """Build a rich table of the measured columns, the first three left-aligned."""
+    columns, body = measured_columns(columns, body)
     table = Table(title=title)
     for i, c in enumerate(columns):
         table.add_column(c, justify="left" if i < 3 else "right", no_wrap=i < 3)
@@ -249,7 +270,8 @@ def rich_paired_table(rows: Sequence[Row], title: str = "step time, paired") -> 
         if cells[2] == "partial":
             cells[2] = "[bold red]partial[/]"
         ratio = r.get("ratio")
-        if ratio is not None and str(r.get("strategy", "")).startswith("matepoint"):
+        matepoint = str(r.get("strategy", "")).startswith("matepoint")
+        if ratio is not None and matepoint and cells[4] != "-":
             style = "green" if ratio <= 1.03 else "yellow" if ratio <= 1.1 else "red"
             cells[4] = f"[{style}]{cells[4]}[/]"
         body.append(cells)
@@ -294,7 +316,11 @@ def transfer_markdown(t: Row) -> str:
 
 
 def _markdown_table(columns: Sequence[str], body: Sequence[list[str]]) -> list[str]:
-    """Render a markdown table (the first three columns left-aligned)."""
+    """Render a markdown table (the first three columns left-aligned).
+
+    Every column stays, measured or not, so that tables of different runs line up (the
+    terminal drops the unmeasured ones; see :func:`measured_columns`).
+    """
     out = ["| " + " | ".join(columns) + " |"]
     out.append("| " + " | ".join("---" if i < 3 else "---:" for i in range(len(columns))) + " |")
     out += ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in body]

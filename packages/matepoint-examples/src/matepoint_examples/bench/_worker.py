@@ -274,12 +274,15 @@ def _measure(
         moved = int(stats.get("bytes_offloaded", 0)) + int(stats.get("bytes_fetched", 0))
         out["bytes_offloaded"] = int(stats.get("bytes_offloaded", 0))
         out["pool_pinned_bytes"] = stats.get("pool_pinned_bytes")
+        # On a CPU the "link" is a memcpy through the test transport and the host RAM is the
+        # same memory the step runs in: neither figure means anything there, so none is given.
+        on_device = device.type != "cpu"
         # stats() carries bytes but no copy durations, so this is link throughput averaged over
         # the step (both directions): a lower bound on what the copies achieved.
-        out["link_gbps"] = moved / t_step / _GB if t_step > 0 else None
+        out["link_gbps"] = moved / t_step / _GB if on_device and t_step > 0 else None
         out["host_per_offloaded"] = (
             out["host_rss_delta_bytes"] / out["bytes_offloaded"]
-            if out["bytes_offloaded"] and out["host_rss_delta_bytes"] is not None
+            if on_device and out["bytes_offloaded"] and out["host_rss_delta_bytes"] is not None
             else None
         )
     if timeline and device.type == "cuda" and not compiled:

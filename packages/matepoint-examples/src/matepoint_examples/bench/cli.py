@@ -9,7 +9,9 @@ strategy), so that no strategy's allocator state or pinned pool leaks into anoth
 device bytes held after forward, peak device memory, host RAM added, matepoint's bytes offloaded
 and link throughput. A transfer-bound micro-benchmark compares matepoint's offload and fetch
 bandwidth with raw pinned copies. Results go to terminal tables, ``results.json``,
-``results.md`` and PNG plots. Without a GPU it runs the small ``cpu-small`` workload.
+``results.md`` and PNG plots in ``./bench-results`` (``--out``).
+
+Without a GPU it runs only what a CPU can show (see Note [What a CPU run shows]).
 
 Run ``matepoint-bench --quick`` or ``python -m matepoint_examples.bench --help``.
 """
@@ -48,6 +50,36 @@ __all__ = ["main", "run_worker_subprocess"]
 
 _OVERRIDES = ("depth", "width", "heads", "batch", "tokens", "vocab_size", "head_dim")
 
+# Note [What a CPU run shows]
+# Without a GPU, matepoint runs through its CPU test transport: host and "device" are the same
+# memory, and a copy to the host is a memcpy. So a CPU can show that every strategy runs and
+# how many bytes each moves per step, and matepoint's host-side cost next to torch's checkpoint
+# on the same steps; it cannot show device memory saved, link throughput or GPU step times.
+# Unless told otherwise a CPU run is therefore the paired run alone, on ``cpu-small``, of torch's
+# checkpoint and matepoint (CPU_MODE, CPU_STRATEGIES), and says so in one line (cpu_notice);
+# ``--mode`` and ``--strategies`` still run anything asked for.
+CPU_MODE = "paired"
+CPU_STRATEGIES = ("torch", "matepoint")
+DEFAULT_OUT = Path("bench-results")
+
+
+def cpu_notice(mode: str, strategies: Sequence[str], workloads: Sequence[str]) -> str:
+    """Return the one line a run without a GPU prints first (see Note [What a CPU run shows]).
+
+    Args:
+        mode: The mode that will run.
+        strategies: The strategies that will run.
+        workloads: The workloads that will run.
+
+    Returns:
+        The line.
+    """
+    ran = f"--mode {mode}, {', '.join(strategies)} on {', '.join(workloads)}"
+    return (
+        f"No GPU: running {ran}, matepoint through its CPU test transport. A CPU shows bytes "
+        "moved and host-side cost, not device memory, link speed or GPU step times."
+    )
+
 
 def _csv(value: str) -> list[str]:
     """Split a comma-separated flag value."""
@@ -69,25 +101,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--strategies",
         type=_csv,
-        default=list(DEFAULT_STRATEGIES),
-        help=f"comma-separated, from: {', '.join(STRATEGIES)} (default: all but the probes "
-        f"and the compiled ones: {','.join(DEFAULT_STRATEGIES)}); {REFERENCE} is added to "
-        "paired runs if missing",
+        help=f"comma-separated, from: {', '.join(STRATEGIES)} (default on a GPU: all but the "
+        f"probes and the compiled ones: {','.join(DEFAULT_STRATEGIES)}; without: "
+        f"{','.join(CPU_STRATEGIES)}); {REFERENCE} is added to paired runs if missing",
     )
     p.add_argument(
         "--rounds", type=int, help="paired: timed rounds, one step per strategy (15; 3 --quick)"
     )
     p.add_argument("--steps", type=int, help="memory: timed steps per process (10; 3 --quick)")
     p.add_argument("--warmup", type=int, help="untimed warm-up rounds or steps (3; 1 --quick)")
-    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"output folder, made if missing (default: ./{DEFAULT_OUT} in the current directory)",
+    )
     p.add_argument("--quick", action="store_true", help="fewer steps, smaller transfer test")
     p.add_argument(
         "--mode",
         choices=("all", "paired", "memory", "transfer"),
-        default="all",
         help="paired: step-time ratios, strategies alternating in one process per workload; "
         "memory: one process per workload x strategy; transfer: link micro-benchmark; "
-        "all: the three (default)",
+        f"all: the three (default on a GPU; without one: {CPU_MODE})",
     )
     p.add_argument(
         "--trace",
@@ -124,7 +159,7 @@ def _worker_main(args: argparse.Namespace) -> int:
         workload = get_workload(args.workload).with_overrides(**overrides)
         rows = run_paired(
             workload,
-            args.strategies,
+            args.strategies or list(DEFAULT_STRATEGIES),
             device,
             args.rounds,
             args.warmup,
@@ -278,7 +313,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not console.is_terminal:
         console = Console(width=200)
     device = resolve_device(args.device)
-    workloads = args.workloads or list(GPU_WORKLOADS if device.type == "cuda" else CPU_WORKLOADS)
+    on_gpu = device.type == "cuda"
+    workloads = args.workloads or list(GPU_WORKLOADS if on_gpu else CPU_WORKLOADS)
+    if args.mode is None:
+        args.mode = "all" if on_gpu else CPU_MODE
+    if args.strategies is None:
+        args.strategies = list(DEFAULT_STRATEGIES if on_gpu else CPU_STRATEGIES)
     unknown = [w for w in workloads if w not in WORKLOADS]
     unknown += [s for s in args.strategies if s not in STRATEGIES]
     if unknown:
@@ -307,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.mode in ("all", "transfer"):
         jobs.append(("transfer micro-benchmark", "transfer", ["--worker", "transfer"]))
 
+    if not on_gpu:
+        console.print(cpu_notice(args.mode, paired_strategies, workloads), highlight=False)
     header = _header(device, args)
     argv_list = list(sys.argv[1:] if argv is None else argv)
     results: dict[str, Any] = {"paired": [], "memory": [], "transfer": None}
@@ -331,9 +373,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         _save(args.out, header, argv_list, results),
         report.write_markdown(args.out / "results.md", paired, memory, transfer, header),
     ]
+    unplotted: list[str] = []
     if not args.no_plots and (paired or memory):
-        files.append(plots.plot_step_time_ratio(args.out / "step_time_ratio.png", paired))
-        files.append(plots.plot_memory_vs_depth(args.out / "memory_vs_depth.png", memory))
+        for name, draw, rows, missing in (
+            ("step_time_ratio.png", plots.plot_step_time_ratio, paired, "no step-time ratios"),
+            ("memory_vs_depth.png", plots.plot_memory_vs_depth, memory, "no device memory"),
+        ):
+            written = draw(args.out / name, rows)
+            if written is None:
+                unplotted.append(f"{name} ({missing})")
+            else:
+                files.append(written)
         files += plots.plot_timelines(args.out, memory)
     if paired:
         console.print(report.rich_paired_table(paired))
@@ -344,7 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if transfer is not None:
         console.print("[bold]Transfer-bound micro-benchmark[/]")
         console.print(report.transfer_markdown(transfer), markup=False)
-    console.print("wrote " + ", ".join(str(f) for f in files))
+    console.print("wrote " + ", ".join(str(f) for f in files), highlight=False)
+    if unplotted:
+        console.print("not plotted: " + ", ".join(unplotted), highlight=False)
     everything = [*paired, *memory, *([transfer] if transfer else [])]
     return 1 if any(r.get("status") in ("error", "partial") for r in everything) else 0
 
