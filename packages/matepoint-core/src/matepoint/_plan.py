@@ -150,19 +150,6 @@ def format_plan(memory_plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def _check_on_meta(fn: Callable[..., Any]) -> None:
-    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    if not isinstance(module, torch.nn.Module):
-        return
-    devices = {tensor.device.type for tensor in (*module.parameters(), *module.buffers())}
-    if devices - {"meta"}:
-        raise ValueError(
-            "matepoint.plan runs the step on the meta device, where tensors hold no memory, but "
-            f"the model has parameters or buffers on {', '.join(sorted(devices - {'meta'}))}; "
-            "build it under `with torch.device('meta'):` (or pass device='meta')"
-        )
-
-
 def plan(
     fn: Callable[..., Any],
     *example_args: Any,
@@ -236,7 +223,6 @@ def plan(
             )
         fields = dataclasses.fields(OffloadSettings)
         options = OffloadSettings(**{field.name: getattr(resolved, field.name) for field in fields})
-    _check_on_meta(fn)
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:
         raise ValueError(f"unknown strategies {sorted(unknown)}; known: {', '.join(STRATEGIES)}")

@@ -118,13 +118,11 @@ class CudaKernels(TorchFunctionMode):
 
     Args:
         tracker: The step's tracker, which the stand-ins give their FLOPs to.
-        device_type: The device standing in for CUDA. Default: ``"meta"``.
     """
 
-    def __init__(self, tracker: MemoryTracker, device_type: str = "meta") -> None:
+    def __init__(self, tracker: MemoryTracker) -> None:
         super().__init__()
         self.tracker = tracker
-        self.device_type = device_type
 
     def __torch_function__(
         self,
@@ -157,7 +155,7 @@ class CudaKernels(TorchFunctionMode):
     ) -> torch.Tensor | None:
         tensors = (query, key, value)
         if (
-            any(t.device.type != self.device_type or t.dim() != 4 for t in tensors)
+            any(t.device.type != "meta" or t.dim() != 4 for t in tensors)
             or not query.is_floating_point()
             or (attn_mask is not None and attn_mask.requires_grad)
         ):
@@ -177,7 +175,7 @@ class CudaKernels(TorchFunctionMode):
     ) -> torch.Tensor | None:
         dims = len(normalized_shape)
         if (
-            x.device.type != self.device_type
+            x.device.type != "meta"
             or not x.is_floating_point()
             or tuple(x.shape[x.dim() - dims :]) != tuple(normalized_shape)
             or (weight is not None and weight.dtype != x.dtype)

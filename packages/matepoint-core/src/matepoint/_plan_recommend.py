@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from itertools import accumulate, pairwise
+from itertools import accumulate
 
 from matepoint._options import OffloadSettings
 from matepoint._plan_engine import SavedInput
@@ -88,14 +88,14 @@ class Recommendation:
         )
 
 
-def _round_threshold(kept: int, offloaded: int | None) -> int:
-    """A round ``min_offload_bytes`` that keeps inputs of ``kept`` bytes and moves ``offloaded``.
+def _round_threshold(kept: int, moved: int | None) -> int:
+    """A round ``min_offload_bytes`` that keeps inputs of ``kept`` bytes and moves ``moved``.
 
-    Any value above ``kept`` and at most ``offloaded`` plans the same step; the smallest power
-    of two above ``kept`` reads best, else the size of the smallest input moved.
+    Any value above ``kept`` and at most ``moved`` plans the same step; the smallest power of two
+    above ``kept`` reads best (1 when nothing is kept), else the size of the smallest input moved.
     """
     power = 1 << kept.bit_length()
-    return power if offloaded is None or power <= offloaded else offloaded
+    return power if moved is None or power <= moved else moved
 
 
 def _threshold_classes(saves: tuple[SavedInput, ...], current: int) -> list[int]:
@@ -103,20 +103,15 @@ def _threshold_classes(saves: tuple[SavedInput, ...], current: int) -> list[int]
 
     Thresholds between two size classes keep the same inputs and plan the same step, so each
     class is tried once: with the current value if it falls in the class, else with a round
-    value of the class (1 offloads everything; see :func:`_round_threshold` for the others).
+    value of it (see :func:`_round_threshold`).
     """
     sizes = sorted({save.nbytes for save in saves if save.fate in _OFFLOADABLE})
-    bounds = [1, *(size + 1 for size in sizes)]
-    larger: list[int | None] = [*sizes[1:], None]
-    rounds = [
-        1,
-        *(_round_threshold(size, bigger) for size, bigger in zip(sizes, larger, strict=True)),
-    ]
     classes = [
-        current if low <= current < high else round_value
-        for (low, high), round_value in zip(pairwise(bounds), rounds, strict=False)
+        current
+        if kept < current and (moved is None or current <= moved)
+        else _round_threshold(kept, moved)
+        for kept, moved in zip([0, *sizes], [*sizes, None], strict=True)
     ]
-    classes.append(current if current >= bounds[-1] else rounds[-1])
     if len(classes) > _MAX_THRESHOLDS:
         step = (len(classes) - 1) / (_MAX_THRESHOLDS - 1)
         classes = sorted({classes[round(i * step)] for i in range(_MAX_THRESHOLDS)})

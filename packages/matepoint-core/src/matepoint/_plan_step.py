@@ -136,6 +136,13 @@ def _adopt_existing(tracker: MemoryTracker, fn: Any, values: Any) -> None:
     """Count what exists before the step: the function's module state and the arguments."""
     module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
     if isinstance(module, torch.nn.Module):
+        devices = {tensor.device.type for tensor in (*module.parameters(), *module.buffers())}
+        if devices - {"meta"}:
+            raise ValueError(
+                "matepoint.plan runs the step on the meta device, where tensors hold no memory, "
+                f"but the model has parameters or buffers on {', '.join(devices - {'meta'})}; "
+                "build it under `with torch.device('meta'):` (or pass device='meta')"
+            )
         for tensor in (*module.parameters(), *module.buffers()):
             tracker.adopt(tensor)
             if tensor.grad is not None:
