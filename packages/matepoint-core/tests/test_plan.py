@@ -15,6 +15,7 @@ the caller's input and the newest input are served on the device, so ``L - 2`` c
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -290,6 +291,56 @@ def test_plan_leaves_the_real_engine_alone() -> None:
         x = torch.randn(N, requires_grad=True)
         chain(3)(x).sum().backward()
         assert matepoint.stats().offloads == 3
+
+
+def test_a_plan_attaches_to_its_own_thread_only() -> None:
+    """Another thread checkpoints for real while a plan is in its forward, and both are right."""
+    from matepoint import _checkpoint, _saving
+
+    inside, resume = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def paused(x: torch.Tensor) -> torch.Tensor:
+        x = matepoint.checkpoint(sin2, x)
+        inside.set()
+        assert resume.wait(30)
+        return chain(2)(x)
+
+    def planner() -> None:
+        try:
+            results.append(matepoint.plan(paused, meta_input(), strategies=("matepoint",)))
+        except BaseException as error:
+            errors.append(error)
+            inside.set()
+
+    results: list[matepoint.MemoryPlan] = []
+    thread = threading.Thread(target=planner)
+    with use_transport(CPUTestTransport(completion="immediate")), matepoint.options(prefetch=2):
+        thread.start()
+        assert inside.wait(30)
+        assert _checkpoint.pack is _saving.pack  # nothing process-wide is swapped
+        x = torch.randn(N, requires_grad=True)
+        chain(3)(x * 1).sum().backward()
+        resume.set()
+        thread.join()
+        real = matepoint.stats()
+    assert not errors, errors
+    assert (real.offloads, real.bytes_fetched) == (3, 2 * B)
+    torch.testing.assert_close(x.grad, sin2_grad(x.detach(), 3))
+    planned = results[0]["matepoint"]
+    assert planned.bytes_to_host == 3 * B
+    alone = matepoint.plan(paused, meta_input(), strategies=("matepoint",))["matepoint"]
+    assert planned.counters == alone.counters
+
+
+def sin2_grad(x: torch.Tensor, depth: int) -> torch.Tensor:
+    leaf = x.clone().requires_grad_(True)
+    out = leaf
+    for _ in range(depth):
+        out = sin2(out)
+    out.sum().backward()
+    assert leaf.grad is not None
+    return leaf.grad
 
 
 def test_seven_billion_parameter_config_two_blocks_plans_quickly() -> None:

@@ -29,7 +29,7 @@ from matepoint._plan_trace import MemoryTracker
 from matepoint._saving import KeepReason, count_kept
 from matepoint._transport import Channel
 
-__all__ = ["Fate", "MetaChannel", "PlannedEngine", "SavedInput", "Strategy"]
+__all__ = ["Fate", "MetaChannel", "PlannedStep", "SavedInput", "Strategy"]
 
 Strategy = Literal["none", "torch", "matepoint"]
 Fate = Literal["offloaded", "shared", "small", "parameter", "other"]
@@ -114,7 +114,7 @@ class MetaChannel:
         return 0.0
 
 
-class PlannedEngine:
+class PlannedStep:
     """One planned step's :class:`matepoint._registry.Planning`: its engine, options and saves.
 
     Args:

@@ -17,7 +17,7 @@ import torch
 import matepoint_compat as compat
 from matepoint._options import OffloadSettings
 from matepoint._plan_cuda import CudaKernels
-from matepoint._plan_engine import PlannedEngine, SavedInput, Strategy
+from matepoint._plan_engine import PlannedStep, SavedInput, Strategy
 from matepoint._plan_trace import PHASES, MemoryTracker
 from matepoint._registry import planning_scope
 from matepoint._stats import OffloadStats
@@ -198,7 +198,7 @@ def run_step(
         The step's plan, and every checkpoint input matepoint saw, in order.
     """
     tracker = MemoryTracker("meta")
-    planned = PlannedEngine(tracker, strategy, options)
+    planned = PlannedStep(tracker, strategy, options)
     engine = planned.engine
     with planning_scope(planned), compat.meta_checkpointing(), tracker, CudaKernels(tracker):
         _adopt_existing(tracker, fn, (args, kwargs))
