@@ -5,8 +5,11 @@ same as ``torch.utils.checkpoint``'s (bit for bit), and what does it cost and sa
 :class:`~matepoint_examples.models.DeepLatentStack` from one seed with no checkpoint, with torch's
 checkpoint and with matepoint, showing each step's progress, then prints a table and one summary
 line. On a machine without a GPU it runs on the CPU with matepoint's test transport, so the
-offload path runs for real there too; a CPU has no separate device memory to save and too few
-steps to time, and the demo says so instead of printing those numbers.
+offload path runs for real there too. A CPU can show the first answer, not the second: it has no
+device memory apart from host memory and its step times say nothing about a GPU's. So on a CPU
+the demo says that plainly, gives what the same model would save on a GPU as
+:func:`matepoint.plan` predicts it on the meta device (:func:`planned_on_gpu`), and prints no
+timings.
 
 Run ``matepoint-demo`` or ``python -m matepoint_examples.demo``.
 """
@@ -15,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -42,9 +47,12 @@ from matepoint_examples.strategies import get_strategy
 
 __all__ = [
     "DemoResult",
+    "GPUPlan",
     "bitwise_equal",
+    "cpu_lines",
     "default_config",
     "main",
+    "planned_on_gpu",
     "reproducible_attention",
     "run_strategy",
     "summary_line",
@@ -100,6 +108,87 @@ def default_config(device: torch.device) -> DeepLatentConfig:
     if device.type == "cuda":
         return DeepLatentConfig(depth=32, width=1024, heads=8, batch=4, tokens=2048)
     return DeepLatentConfig(depth=8, width=256, heads=4, batch=2, tokens=256)
+
+
+@dataclass(frozen=True)
+class GPUPlan:
+    """Device bytes one step of a stack holds after forward on a GPU, as the planner predicts.
+
+    Args:
+        config: The stack planned.
+        torch_held: Bytes held after forward with torch's checkpoint.
+        matepoint_held: Bytes held after forward with matepoint.
+    """
+
+    config: DeepLatentConfig
+    torch_held: int
+    matepoint_held: int
+
+    @property
+    def saved(self) -> int:
+        """Bytes matepoint holds less than torch's checkpoint after forward."""
+        return self.torch_held - self.matepoint_held
+
+
+def planned_on_gpu(
+    config: DeepLatentConfig, options: matepoint.OffloadSettings | None = None
+) -> GPUPlan:
+    """Plan one step of ``config``'s stack as the demo trains it on a GPU, without one.
+
+    The stack is built on the meta device in bf16 (the demo's GPU dtype) and
+    :func:`matepoint.plan` traces its forward and backward under torch's checkpoint and under
+    matepoint: no memory is allocated and nothing runs, so this works on any machine.
+
+    Args:
+        config: The stack.
+        options: matepoint's options for the plan. Default: the process defaults.
+
+    Returns:
+        What each holds after forward.
+    """
+    meta, dtype = torch.device("meta"), torch.bfloat16
+    with meta:
+        model = DeepLatentStack(config, checkpoint_fn=get_strategy("matepoint").checkpoint_fn)
+    model.to(dtype=dtype)
+    x = model.example_input(meta, dtype)
+    memory_plan = matepoint.plan(
+        lambda: model(x).float().square().mean(),
+        options=options,
+        strategies=(REFERENCE, "matepoint"),
+    )
+    return GPUPlan(
+        config,
+        memory_plan[REFERENCE].held_after_forward_bytes,
+        memory_plan["matepoint"].held_after_forward_bytes,
+    )
+
+
+def _shape(config: DeepLatentConfig) -> str:
+    return f"{config.depth} blocks, d={config.width}, {config.batch}x{config.tokens} tokens"
+
+
+def cpu_lines(here: GPUPlan, on_gpu: GPUPlan) -> list[str]:
+    """Say what a CPU run can and cannot show, and what a GPU would save (planned).
+
+    Args:
+        here: The plan of the stack this run trains, with this run's options.
+        on_gpu: The plan of the stack the demo trains on a GPU, with matepoint's defaults.
+
+    Returns:
+        The lines, without markup.
+    """
+    return [
+        "What a CPU shows: gradients identical to torch's checkpoint: yes, checked bit for bit "
+        "below. Memory saved and speed: no, those need a GPU (here host and device are the "
+        "same memory, matepoint copies through its test transport, and CPU step times say "
+        "nothing about a GPU's).",
+        "On a GPU, as matepoint.plan predicts on the meta device (bf16): this model holds "
+        f"{format_bytes(here.torch_held)} after forward with torch's checkpoint and "
+        f"{format_bytes(here.matepoint_held)} with matepoint ({format_bytes(here.saved)} less, "
+        f"every block input offloaded as here); the GPU demo's {_shape(on_gpu.config)}: "
+        f"{format_bytes(on_gpu.torch_held)} and {format_bytes(on_gpu.matepoint_held)} "
+        f"({format_bytes(on_gpu.saved)} less).",
+    ]
 
 
 def reproducible_attention(device: torch.device) -> AbstractContextManager[object]:
@@ -232,23 +321,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, help="model width d")
     p.add_argument("--heads", type=int, help="attention heads (must divide width)")
     p.add_argument("--batch", type=int, help="batch size")
-    p.add_argument("--tokens", type=int, help="tokens per sample")
+    p.add_argument("--seq", type=int, help="tokens per sample (sequence length)")
+    # The flag's name before 0.2.1, as matepoint-plan calls it --seq; see _warn_renamed.
+    p.add_argument("--tokens", dest="seq", type=int, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=3, help="training steps per strategy (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default 0)")
     return p
 
 
-def summary_line(results: dict[str, DemoResult], device: torch.device, steps: int) -> str:
+def summary_line(
+    results: dict[str, DemoResult],
+    device: torch.device,
+    steps: int,
+    planned: GPUPlan | None = None,
+) -> str:
     """Return the demo's one-line verdict: memory saved, step-time ratio, gradients equal.
 
     Compares matepoint with torch's checkpoint. On a CPU there is no device memory apart from
-    host memory and a few steps are too few to time, so the line says that instead of numbers
-    that would mislead.
+    host memory and step times say nothing about a GPU's, so the line gives the bytes moved
+    and the planned saving on a GPU instead of numbers that would mislead.
 
     Args:
         results: The runs, by strategy name; needs ``"torch"`` and ``"matepoint"``.
         device: The device they ran on.
         steps: Steps per strategy.
+        planned: On a CPU, the plan of the same model on a GPU. Default: ``None``.
 
     Returns:
         The line, without markup.
@@ -263,9 +360,12 @@ def summary_line(results: dict[str, DemoResult], device: torch.device, steps: in
         )
     else:
         moved = format_bytes((mate.bytes_offloaded or 0) / steps)
-        memory = f"{moved} of block inputs per step moved to host memory (a CPU saves nothing)"
+        memory = f"{moved} of block inputs per step moved to host memory (a CPU saves nothing"
+        if planned is not None:
+            memory += f"; planned on a GPU: {format_bytes(planned.saved)} less held after forward"
+        memory += ")"
     if device.type == "cpu":
-        timing = f"{steps} CPU steps are too few for timing"
+        timing = "CPU times say nothing about a GPU's"
     else:
         timing = f"step time {mate.step_seconds / ref.step_seconds:.2f}x torch's"
     grads = "gradients bitwise equal" if bitwise_equal(mate, ref) else "gradients DIFFER"
@@ -300,6 +400,11 @@ def _table(results: dict[str, DemoResult], device: torch.device, steps: int) -> 
     return table
 
 
+def _renamed_flag_used(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` uses ``--tokens``, the name ``--seq`` had before (kept working)."""
+    return any(a == "--tokens" or a.startswith("--tokens=") for a in argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo: a legend, per-step progress, a table and a summary line.
 
@@ -312,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     device = resolve_device(args.device)
     base = default_config(device)
-    overrides = {k: getattr(args, k) for k in ("depth", "width", "heads", "batch", "tokens")}
+    overrides = {k: getattr(args, k) for k in ("depth", "width", "heads", "batch")}
+    overrides["tokens"] = args.seq
     fields = {k: v for k, v in overrides.items() if v is not None}
     if "width" in fields and "heads" not in fields:
         fields["heads"] = math.gcd(fields["width"], base.heads)
@@ -326,16 +432,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{config.batch}x{config.tokens} tokens ({format_bytes(latent)} per block input), "
         f"{steps} steps per strategy"
     )
+    if _renamed_flag_used(sys.argv[1:] if argv is None else argv):
+        console.print("[yellow]--tokens is now --seq (as in matepoint-plan); it still works.[/]")
     for name, meaning in DEMO_STRATEGIES.items():
         console.print(f"  [bold]{name:<9}[/] {meaning}")
+    planned = None
     if device.type == "cpu":
-        console.print(
-            "[dim]On the CPU matepoint runs through its test transport: the offload path runs "
-            "for real, but host and device are the same memory.[/]"
-        )
+        # The run offloads every block input (see the matepoint strategy's CPU session); the
+        # GPU demo's model is planned with matepoint's defaults, as it would run.
+        every_input = dataclasses.replace(matepoint.get_options(), min_offload_bytes=0)
+        planned = planned_on_gpu(config, every_input)
+        gpu_default = planned_on_gpu(default_config(torch.device("cuda")))
+        for line in cpu_lines(planned, gpu_default):
+            console.print(line, highlight=False)
     results: dict[str, DemoResult] = {}
-    columns = (TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, TextColumn("steps"), TimeElapsedColumn(), console=console) as progress:
+    columns = [TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn()]
+    columns.append(TextColumn("steps"))
+    if device.type != "cpu":  # CPU times of the three would be read as a comparison
+        columns.append(TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
         for name in DEMO_STRATEGIES:
             task = progress.add_task(name, total=steps)
             advance = functools.partial(progress.advance, task)
@@ -349,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "backward are not bitwise reproducible even run to run.[/]"
         )
     ok = bitwise_equal(results["matepoint"], results[REFERENCE])
-    line = summary_line(results, device, steps)
+    line = summary_line(results, device, steps, planned)
     console.print(f"[bold green]{line}[/]" if ok else f"[bold red]{line}[/]")
     return 0 if ok else 1
 
