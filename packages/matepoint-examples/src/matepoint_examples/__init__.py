@@ -1,9 +1,10 @@
-"""Runnable examples for matepoint: models, the strategy registry, the demo and the benchmark.
+"""Runnable examples for matepoint: models, the strategy registry, the demo and the planner.
 
-Public: :mod:`matepoint_examples.models`, :mod:`matepoint_examples.strategies`, and the console
-scripts ``matepoint-demo`` (:func:`matepoint_examples.demo.main`), ``matepoint-bench``
-(:func:`matepoint_examples.bench.main`) and ``matepoint-plan``
-(:func:`matepoint_examples.plan.main`).
+Public: :mod:`matepoint_examples.models`, :mod:`matepoint_examples.strategies`,
+:mod:`matepoint_examples.integrations`, and the console scripts ``matepoint-demo``
+(:func:`matepoint_examples.demo.main`) and ``matepoint-plan``
+(:func:`matepoint_examples.plan.main`). The benchmark harness behind ``matepoint-bench``
+(:func:`matepoint_examples.bench.cli.main`) is its own subpackage, :mod:`matepoint_examples.bench`.
 """
 
 from matepoint_examples.models import (
