@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+from matepoint._transport import set_side_stream_delay, side_stream_delay
 from matepoint_compat import accepts_keyword, warn_deprecated
 
 __all__ = [
@@ -31,8 +32,6 @@ __all__ = [
     "misplaced_setting_error",
     "options",
     "resolve",
-    "set_side_stream_delay",
-    "side_stream_delay",
 ]
 
 PoolExhaustedPolicy = Literal["pageable", "raise"]
@@ -133,7 +132,6 @@ class ResolvedOptions(OffloadSettings):
     argument, the options' ``pipeline`` and the 0.1.x ``matepoint.NOPIPELINE``, all at once.
     """
 
-    side_stream_delay_cycles: int = 0
     pipelined: bool = True
 
 
@@ -163,9 +161,11 @@ class OffloadOptions:
             pairs (what ``dataclasses.replace`` passes on). Default: none.
         **deprecated: The device settings that 0.2.0 accepted per call (``stash_bytes``,
             ``prefetch``, ``max_inflight_bytes``, ``pool_cap_bytes``, ``on_pool_exhausted``,
-            ``measure_waits``, ``side_stream_delay_cycles``). They still apply to the calls that
-            carry them, with a deprecation warning: per call they also act on the device's
-            other records and its shared pool.
+            ``measure_waits``). They still apply to the calls that carry them, with a
+            deprecation warning: per call they also act on the device's other records and its
+            shared pool. ``side_stream_delay_cycles`` is accepted with a warning and has no
+            effect per call: the test delay belongs to the transport
+            (``matepoint.testing.delay_side_stream``).
 
     Raises:
         TypeError: For a name that is neither an option nor a deprecated setting.
@@ -211,14 +211,16 @@ class OffloadOptions:
             )
         if deprecated:
             # Validate through the settings' own checks, with the settings' defaults elsewhere.
-            ResolvedOptions(**deprecated)
+            ResolvedOptions(**{name: value for name, value in deprecated.items() if name != _DELAY})
+            if _DELAY in deprecated:
+                _check_count("OffloadOptions", _DELAY, deprecated[_DELAY])
             names = ", ".join(f"`{name}=`" for name in sorted(deprecated))
             warn_deprecated(
                 f"{names} in `matepoint.OffloadOptions`",
                 replacement=(
                     "set device settings once with `matepoint.configure(...)` or inside "
                     "`with matepoint.options(...)`; the test delay is "
-                    "`matepoint.testing.delay_side_stream`"
+                    "`matepoint.testing.delay_side_stream`, and per call it has no effect"
                 ),
             )
         carried.update(deprecated)
@@ -240,10 +242,9 @@ _lock = threading.Lock()
 _base = OffloadSettings()
 _layers: list[dict[str, Any]] = []
 _defaults = _base
-_side_stream_delay = 0
 # The last resolution, reused while neither the settings nor the call's choices change (the
 # settings and options are frozen and held here, so identity is a safe key). See resolve().
-_last: tuple[OffloadSettings, OffloadOptions | None, int, bool, bool, ResolvedOptions] | None = None
+_last: tuple[OffloadSettings, OffloadOptions | None, bool, bool, ResolvedOptions] | None = None
 
 
 def _rebuild() -> OffloadSettings:
@@ -355,7 +356,7 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
         >>> loss.backward()
     """
     layer = _checked(fields, "matepoint.options", stacklevel=4)
-    previous_delay = _side_stream_delay
+    previous_delay = side_stream_delay()
     with _lock:
         if _DELAY in fields:
             set_side_stream_delay(fields[_DELAY])
@@ -373,18 +374,6 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
             _rebuild()
             if _DELAY in fields:
                 set_side_stream_delay(previous_delay)
-
-
-def side_stream_delay() -> int:
-    """Return the test delay, in GPU cycles, queued on the side stream before each copy."""
-    return _side_stream_delay
-
-
-def set_side_stream_delay(cycles: int) -> None:
-    """Set the test delay (``matepoint.testing.delay_side_stream`` is the public way)."""
-    global _side_stream_delay
-    _check_count("delay_side_stream", "cycles", cycles)
-    _side_stream_delay = cycles
 
 
 def _legacy_pipeline_disabled() -> bool:
@@ -462,29 +451,27 @@ def resolve(call: OffloadOptions | bool | None, pipeline: bool = True) -> Resolv
     else:
         _check_offload_argument(call)
     settings = _defaults
-    delay = _side_stream_delay
     legacy_off = _legacy_pipeline_disabled()
     last = _last
     if (
         last is not None
         and last[0] is settings
         and last[1] is call
-        and last[2] == delay
-        and last[3] == pipeline
-        and last[4] == legacy_off
+        and last[2] == pipeline
+        and last[3] == legacy_off
     ):
-        return last[5]
+        return last[4]
     if call is not None and not call.enabled:
         return None
     fields = dataclasses.asdict(settings)
-    fields[_DELAY] = delay
     if call is not None:
-        fields.update(call.deprecated_settings)
+        # The test delay is the transport's now: per call it does nothing (its warning says so).
+        fields.update(item for item in call.deprecated_settings if item[0] != _DELAY)
         if call.pipeline is not None:
             fields["pipeline"] = call.pipeline
         if call.min_offload_bytes is not None:
             fields["min_offload_bytes"] = call.min_offload_bytes
     fields["pipelined"] = pipeline and fields["pipeline"] and not legacy_off
     resolved = ResolvedOptions(**fields)
-    _last = (settings, call, delay, pipeline, legacy_off, resolved)
+    _last = (settings, call, pipeline, legacy_off, resolved)
     return resolved
