@@ -24,6 +24,7 @@ from matepoint_compat._inductor_order import *
 from matepoint_compat._legacy import *
 from matepoint_compat._planning import *
 from matepoint_compat._pytree import *
+from matepoint_compat._selective import *
 from matepoint_compat._version import *
 from matepoint_compat._version_counter import *
 from matepoint_compat._warnings import *

@@ -30,6 +30,7 @@ from matepoint._options import (
 )
 from matepoint._registry import planning
 from matepoint._saving import pack, unpack
+from matepoint._selective import offload_policy_outputs
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
@@ -269,6 +270,10 @@ def _checkpoint(
                 function, *args, use_reentrant=use_reentrant, **checkpoint_options, **kwargs
             )
     pipelined = options.pipelined
+    context_fn = checkpoint_options.get("context_fn", torch_checkpoint.noop_context_fn)
+    if not reentrant and context_fn is not torch_checkpoint.noop_context_fn:
+        # See Note [Offloading what a selective policy saves] (matepoint/_selective.py).
+        checkpoint_options["context_fn"] = offload_policy_outputs(context_fn, options, pipelined)
     if not reentrant and _needs_flattening(args, kwargs):
         function, args = _flattened_call(function, args, kwargs)
         kwargs = {}

@@ -18,6 +18,8 @@ class _CounterFields:
 
     offloads: int = 0
     bytes_offloaded: int = 0
+    policy_offloads: int = 0
+    bytes_offloaded_by_policy: int = 0
     fetches: int = 0
     bytes_fetched: int = 0
     prefetches: int = 0
@@ -60,6 +62,9 @@ class OffloadStats(_CounterFields):
     Attributes:
         offloads: Tensors copied to host memory (a tensor shared by several checkpoints once).
         bytes_offloaded: Their bytes.
+        policy_offloads: Of those, outputs a selective-checkpoint policy marked
+            ``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD`` (the rest are checkpoint inputs).
+        bytes_offloaded_by_policy: Their bytes.
         fetches: Copies back to the device (prefetches included).
         bytes_fetched: Their bytes.
         prefetches: Copies back started ahead of need (look-ahead).
@@ -129,6 +134,12 @@ def format_report(stats: OffloadStats) -> str:
     """Render a snapshot as a short aligned text report."""
     rows = {
         "offloaded": f"{stats.offloads} tensors, {format_bytes(stats.bytes_offloaded)}",
+        "by kind": (
+            f"{stats.offloads - stats.policy_offloads} checkpoint inputs, "
+            f"{format_bytes(stats.bytes_offloaded - stats.bytes_offloaded_by_policy)}; "
+            f"{stats.policy_offloads} policy outputs, "
+            f"{format_bytes(stats.bytes_offloaded_by_policy)}"
+        ),
         "fetched back": (
             f"{stats.fetches} copies, {format_bytes(stats.bytes_fetched)} ({stats.prefetches} "
             f"prefetched, {stats.prefetch_hits} used, "

@@ -1,0 +1,97 @@
+"""Selective checkpointing with offload: a policy's ``*_CPU_OFFLOAD`` outputs go to host memory.
+
+Note [Offloading what a selective policy saves]
+    A selective-checkpoint policy (``create_selective_checkpoint_contexts``) answers per op:
+    save the output (``MUST_SAVE``/``PREFER_SAVE``), recompute it, or offload it to the CPU
+    (``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD``). torch's eager checkpoint does not implement
+    the last two (it recomputes those ops). matepoint does: when a call with such a
+    ``context_fn`` offloads, the forward mode saves those outputs, and the entry it stores for
+    each is what :func:`matepoint._saving.pack` returns for the output (a ``Record`` whose copy
+    runs on the side stream, or a ``KeptTensor`` when a keep rule leaves it on the device) in
+    place of the device tensor. The recomputation asks the entry for its value, which
+    :func:`matepoint._saving.unpack` brings back: the op is not run again. So the engine's
+    rules all apply to these outputs as to checkpoint inputs (keep rules, dedupe, stash,
+    look-ahead prefetch, bounded bytes in flight, version checks, stream ordering) and their
+    host copies live as long as torch's storage entry: until the recomputation consumes it, or
+    the graph dies. How torch's private modes are reached is
+    Note [Selective checkpointing's storage] in ``matepoint_compat._selective``.
+
+    A saved input and a policy output of the same memory and version share one record (dedupe):
+    a block's offloaded output that is also the next checkpoint's input crosses the link once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import matepoint_compat as compat
+from matepoint._errors import InplaceModificationError
+from matepoint._options import ResolvedOptions
+from matepoint._records import KeptTensor, Record
+from matepoint._saving import pack, unpack
+
+__all__ = ["offload_policy_outputs"]
+
+
+class _OffloadedOutput:
+    """The storage entry of one offloaded policy output: torch asks it for the tensor back.
+
+    Stands in for torch's ``_VersionWrapper``; the version check it makes is the one
+    :func:`matepoint._saving.unpack` makes on every saved tensor, worded here as torch words it.
+    """
+
+    __slots__ = ("options", "saved")
+
+    def __init__(self, saved: Record | KeptTensor, options: ResolvedOptions) -> None:
+        self.saved = saved
+        self.options = options
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        """Return the device tensor (the caller never allows mutation here; see compat)."""
+        try:
+            return unpack(self.saved, self.options)
+        except InplaceModificationError as error:
+            raise InplaceModificationError(
+                "Tensor cached during selective activation checkpoint has been mutated (an "
+                f"output that matepoint offloaded for the policy; {error})"
+            ) from error
+
+
+def offload_policy_outputs(
+    context_fn: Callable[[], Any], options: ResolvedOptions, pipelined: bool
+) -> Callable[[], Any]:
+    """Wrap a checkpoint's ``context_fn`` so its policy's CPU-offload outputs go to the host.
+
+    See Note [Offloading what a selective policy saves]. Contexts other than torch's
+    selective-checkpoint pair are returned as the ``context_fn`` made them.
+
+    Args:
+        context_fn: The checkpoint call's ``context_fn``.
+        options: The call's resolved options.
+        pipelined: Copy on the side stream (True) or synchronously.
+
+    Returns:
+        A ``context_fn`` to give torch's checkpoint instead.
+    """
+
+    def offload(tensor: torch.Tensor) -> _OffloadedOutput:
+        # Pack hooks run under no-grad; so does this, from inside the forward.
+        with torch.no_grad():
+            saved = pack(tensor, options, pipelined)
+        if isinstance(saved, Record) and saved.packs == 1:
+            # A new record (a shared one has packs > 1): count it as the policy's.
+            engine = saved.owner
+            with engine.lock:
+                engine.counters.policy_offloads += 1
+                engine.counters.bytes_offloaded_by_policy += saved.nbytes
+        return _OffloadedOutput(saved, options)
+
+    def offloading_context_fn() -> Any:
+        contexts = context_fn()
+        offloading = compat.offloading_selective_contexts(contexts, offload)
+        return contexts if offloading is None else offloading
+
+    return offloading_context_fn
