@@ -8,7 +8,7 @@ line. On a machine without a GPU it runs on the CPU with matepoint's test transp
 offload path runs for real there too. A CPU can show the first answer, not the second: it has no
 device memory apart from host memory and its step times say nothing about a GPU's. So on a CPU
 the demo says that plainly, gives what the same model would save on a GPU as
-:func:`matepoint.plan` predicts it on the meta device (:func:`planned_on_gpu`), and prints no
+:func:`matepoint.plan` predicts it on the meta device (see ``_demo_cpu``), and prints no
 timings.
 
 Run ``matepoint-demo`` or ``python -m matepoint_examples.demo``.
@@ -34,6 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import matepoint
+from matepoint_examples._demo_cpu import GPUPlan, cpu_lines, planned_on_gpu
 from matepoint_examples._runtime import (
     allocated_bytes,
     format_bytes,
@@ -108,87 +109,6 @@ def default_config(device: torch.device) -> DeepLatentConfig:
     if device.type == "cuda":
         return DeepLatentConfig(depth=32, width=1024, heads=8, batch=4, tokens=2048)
     return DeepLatentConfig(depth=8, width=256, heads=4, batch=2, tokens=256)
-
-
-@dataclass(frozen=True)
-class GPUPlan:
-    """Device bytes one step of a stack holds after forward on a GPU, as the planner predicts.
-
-    Args:
-        config: The stack planned.
-        torch_held: Bytes held after forward with torch's checkpoint.
-        matepoint_held: Bytes held after forward with matepoint.
-    """
-
-    config: DeepLatentConfig
-    torch_held: int
-    matepoint_held: int
-
-    @property
-    def saved(self) -> int:
-        """Bytes matepoint holds less than torch's checkpoint after forward."""
-        return self.torch_held - self.matepoint_held
-
-
-def planned_on_gpu(
-    config: DeepLatentConfig, options: matepoint.OffloadSettings | None = None
-) -> GPUPlan:
-    """Plan one step of ``config``'s stack as the demo trains it on a GPU, without one.
-
-    The stack is built on the meta device in bf16 (the demo's GPU dtype) and
-    :func:`matepoint.plan` traces its forward and backward under torch's checkpoint and under
-    matepoint: no memory is allocated and nothing runs, so this works on any machine.
-
-    Args:
-        config: The stack.
-        options: matepoint's options for the plan. Default: the process defaults.
-
-    Returns:
-        What each holds after forward.
-    """
-    meta, dtype = torch.device("meta"), torch.bfloat16
-    with meta:
-        model = DeepLatentStack(config, checkpoint_fn=get_strategy("matepoint").checkpoint_fn)
-    model.to(dtype=dtype)
-    x = model.example_input(meta, dtype)
-    memory_plan = matepoint.plan(
-        lambda: model(x).float().square().mean(),
-        options=options,
-        strategies=(REFERENCE, "matepoint"),
-    )
-    return GPUPlan(
-        config,
-        memory_plan[REFERENCE].held_after_forward_bytes,
-        memory_plan["matepoint"].held_after_forward_bytes,
-    )
-
-
-def _shape(config: DeepLatentConfig) -> str:
-    return f"{config.depth} blocks, d={config.width}, {config.batch}x{config.tokens} tokens"
-
-
-def cpu_lines(here: GPUPlan, on_gpu: GPUPlan) -> list[str]:
-    """Say what a CPU run can and cannot show, and what a GPU would save (planned).
-
-    Args:
-        here: The plan of the stack this run trains, with this run's options.
-        on_gpu: The plan of the stack the demo trains on a GPU, with matepoint's defaults.
-
-    Returns:
-        The lines, without markup.
-    """
-    return [
-        "What a CPU shows: gradients identical to torch's checkpoint: yes, checked bit for bit "
-        "below. Memory saved and speed: no, those need a GPU (here host and device are the "
-        "same memory, matepoint copies through its test transport, and CPU step times say "
-        "nothing about a GPU's).",
-        "On a GPU, as matepoint.plan predicts on the meta device (bf16): this model holds "
-        f"{format_bytes(here.torch_held)} after forward with torch's checkpoint and "
-        f"{format_bytes(here.matepoint_held)} with matepoint ({format_bytes(here.saved)} less, "
-        f"every block input offloaded as here); the GPU demo's {_shape(on_gpu.config)}: "
-        f"{format_bytes(on_gpu.torch_held)} and {format_bytes(on_gpu.matepoint_held)} "
-        f"({format_bytes(on_gpu.saved)} less).",
-    ]
 
 
 def reproducible_attention(device: torch.device) -> AbstractContextManager[object]:
