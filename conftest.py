@@ -1,9 +1,13 @@
-"""Skips shared by the three packages' tests.
+"""Skips and hygiene shared by the three packages' tests.
 
-``gpu`` tests need a CUDA device; ``slow`` tests run only with ``--run-slow``.
+``gpu`` tests need a CUDA device; ``slow`` tests (compile-heavy, multi-process, soak) run only
+with ``--run-slow``, which keeps the default run of ``nox -s tests`` a few minutes on two CPUs.
 """
 
 from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
 
 import pytest
 
@@ -13,7 +17,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--run-slow",
         action="store_true",
         default=False,
-        help="also run the tests marked slow (long soak tests)",
+        help="also run the tests marked slow (compile-heavy, multi-process and soak tests)",
     )
 
 
@@ -44,3 +48,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 devices = _cuda_devices()
             if devices < 1:
                 item.add_marker(pytest.mark.skip(reason="gpu: needs a CUDA device, found none"))
+
+
+# Note [Freeze what outlives a test]
+# Tests call gc.collect() often (offload records die with their autograd graphs), and a collection
+# scans every tracked object not frozen. Dynamo and inductor leave millions of long-lived objects
+# behind the first test that compiles; without freezing them, every later collection scans them
+# all, and a file of small tests that ran in a second took minutes after one inductor test.
+# Freezing after each test (after the tests' own collections in teardown) keeps collections as
+# cheap as the first test's. A frozen object is still freed when its last reference goes; only a
+# reference cycle through it that becomes garbage later is never collected, which costs memory,
+# not correctness.
+
+
+@pytest.fixture(autouse=True)
+def _freeze_what_outlives_a_test() -> Iterator[None]:
+    """Freeze the objects alive after each test; see Note [Freeze what outlives a test]."""
+    yield
+    gc.collect()  # so that no garbage cycle is frozen, never to be collected
+    gc.freeze()

@@ -345,6 +345,7 @@ _SOAK_CHECKS = (
 )
 
 
+@pytest.mark.slow
 def test_soak_short(fresh_stats: None, record_property: Record) -> None:
     _report(
         record_property,

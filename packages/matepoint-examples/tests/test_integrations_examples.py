@@ -37,6 +37,7 @@ def test_checkpoint_wrapper_example_main(capsys: pytest.CaptureFixture[str]) -> 
 @pytest.mark.skipif(
     not compat.TORCH_2_5_PLUS, reason="torch 2.4's checkpoint breaks around compiled code"
 )
+@pytest.mark.slow
 # Dynamo reads .grad of non-leaf block inputs while tracing; it hides that warning, unless
 # warnings are errors.
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")

@@ -249,6 +249,7 @@ def test_a_paired_run_cut_short_is_flagged_in_every_table(
     assert "partial" in capsys.readouterr().out  # the terminal table says so too
 
 
+@pytest.mark.slow
 def test_end_to_end_subprocesses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench"
     rc = bench.main(

@@ -44,6 +44,7 @@ needs_torch_offload = pytest.mark.skipif(
 # made so), Dynamo warns where it breaks the graph, and torch's tensor warns when Dynamo,
 # resuming after a break, reads .grad of a non-leaf activation.
 pytestmark = [
+    pytest.mark.slow,  # compiles with inductor
     pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning"),
     pytest.mark.filterwarnings("ignore:Graph break due to unsupported builtin:UserWarning"),
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf"),

@@ -143,6 +143,7 @@ def _two_cpu_ranks(tmp_path: Path, mode: str, *args: str) -> dict[str, Any]:
     return _torchrun(tmp_path, "--mode", mode, "--backend", "gloo", "--device", "cpu", *args)
 
 
+@pytest.mark.slow
 @requires_gloo
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("model", ["latent", "gpt"])
@@ -191,6 +192,7 @@ def _check_paired(report: dict[str, Any], world: int) -> None:
         assert rank["matepoint_stats"]["offloads"] >= 15, rank["matepoint_stats"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["latent", "gpt"])
 def test_paired_single_process(
     model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -210,6 +212,7 @@ def _other(name: str) -> str:
     return "matepoint" if name == "torch" else "torch"
 
 
+@pytest.mark.slow
 @requires_gloo
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_paired_two_ranks(mode: str, tmp_path: Path) -> None:
