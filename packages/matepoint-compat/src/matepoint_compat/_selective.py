@@ -82,10 +82,9 @@ class _Pending:
     the storage (and the host copies in it) alive until the garbage collector runs.
     """
 
-    __slots__ = ("active", "offload")
+    __slots__ = ("offload",)
 
     def __init__(self) -> None:
-        self.active = False
         self.offload = False
 
 
@@ -94,10 +93,14 @@ def _forward_policy(policy: Callable[..., Any], pending: _Pending) -> Callable[.
 
     def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         decision = policy(ctx, func, *args, **kwargs)
-        if pending.active and isinstance(decision, enum.Enum) and decision in _SAVE_FOR_OFFLOAD:
-            pending.offload = True
-            return _SAVE_FOR_OFFLOAD[decision]
-        return decision
+        if not isinstance(decision, enum.Enum) or decision not in _SAVE_FOR_OFFLOAD:
+            return decision
+        # Under compile the storage is a tracing artifact and the partitioner reads the
+        # policy's own value.
+        if _is_compiling is not None and _is_compiling(func, args, kwargs):
+            return decision
+        pending.offload = True
+        return _SAVE_FOR_OFFLOAD[decision]
 
     return decide
 
@@ -166,9 +169,6 @@ class _OffloadingCachingMode(_CachingBase):  # type: ignore[misc]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         pending = self._matepoint_pending
-        # Under compile the storage is a tracing artifact and the policy's values go to the
-        # partitioner unchanged.
-        pending.active = not (_is_compiling is not None and _is_compiling(func, args, kwargs))
         pending.offload = False
         out = super().__torch_dispatch__(func, types, args, kwargs)
         offload = self._matepoint_offload

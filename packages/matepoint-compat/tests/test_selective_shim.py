@@ -1,0 +1,133 @@
+"""``offloading_selective_contexts``: torch's selective-checkpoint pair, with offloaded outputs.
+
+See Note [Selective checkpointing's storage] in ``matepoint_compat._selective``. These tests use
+torch alone (compat never imports core): the offload callback returns a stand-in entry that
+records what it was given, so a release that changes the storage shows up here first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+import matepoint_compat as compat
+
+needs_offload_values = pytest.mark.skipif(
+    not compat.SELECTIVE_OFFLOAD_POLICIES,
+    reason="CheckpointPolicy has no CPU-offload values before torch 2.11",
+)
+
+
+class Entry:
+    """Stands in for matepoint's entry: keeps the tensor, hands it back, counts the asks."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.clone()
+        self.asked = 0
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        self.asked += 1
+        return self.tensor
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    policy = torch_checkpoint.CheckpointPolicy
+    if op == torch.ops.aten.sin.default:
+        return policy.MUST_CPU_OFFLOAD
+    if op == torch.ops.aten.cos.default:
+        return policy.MUST_SAVE
+    return policy.PREFER_RECOMPUTE
+
+
+def test_offload_values_are_the_two_cpu_ones() -> None:
+    names = {value.name for value in compat.SELECTIVE_OFFLOAD_POLICIES}
+    assert names in (set(), {"MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"})
+    assert bool(names) == hasattr(torch_checkpoint.CheckpointPolicy, "MUST_CPU_OFFLOAD")
+
+
+@needs_offload_values
+def test_other_contexts_are_left_to_torch() -> None:
+    assert compat.offloading_selective_contexts(torch_checkpoint.noop_context_fn(), Entry) is None
+    assert compat.offloading_selective_contexts(None, Entry) is None
+
+    caching, cached = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
+    subclass = type("Caching", (type(caching),), {})
+    custom = subclass.__new__(subclass)
+    custom.__dict__.update(vars(caching))
+    assert compat.offloading_selective_contexts((custom, cached), Entry) is None
+
+
+@needs_offload_values
+def test_offloaded_outputs_are_stored_as_the_callbacks_entries_and_not_recomputed() -> None:
+    entries: list[Entry] = []
+
+    def offload(tensor: torch.Tensor) -> Entry:
+        entries.append(Entry(tensor))
+        return entries[-1]
+
+    def context_fn() -> Any:
+        contexts = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
+        original_policy = contexts[0].policy_fn
+        wrapped = compat.offloading_selective_contexts(contexts, offload)
+        assert wrapped is not None
+        assert contexts[0].policy_fn is original_policy  # the user's objects stay untouched
+        assert isinstance(wrapped[0], type(contexts[0]))
+        return wrapped
+
+    x = torch.randn(8, requires_grad=True)
+    out = torch_checkpoint.checkpoint(
+        lambda t: t.sin().exp() * t.cos().exp(), x * 1, use_reentrant=False, context_fn=context_fn
+    )
+    # sin was offloaded (its entry made from the output); cos was saved as torch saves.
+    assert len(entries) == 1
+    assert torch.equal(entries[0].tensor, x.detach().sin())
+    out.sum().backward()
+    assert entries[0].asked == 1
+    assert x.grad is not None
+    expected = torch.autograd.grad((x.sin().exp() * x.cos().exp()).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected)
+
+
+@needs_offload_values
+def test_allowed_mutation_keeps_the_output_as_torch_would() -> None:
+    entries: list[Entry] = []
+
+    def context_fn() -> Any:
+        contexts = torch_checkpoint.create_selective_checkpoint_contexts(
+            _policy, allow_cache_entry_mutation=True
+        )
+        wrapped = compat.offloading_selective_contexts(contexts, entries.append)
+        assert wrapped is not None
+        return wrapped
+
+    x = torch.randn(8, requires_grad=True)
+    out = torch_checkpoint.checkpoint(
+        lambda t: t.sin().exp(), x * 1, use_reentrant=False, context_fn=context_fn
+    )
+    out.sum().backward()
+    assert entries == []
+
+
+@needs_offload_values
+def test_offload_callback_sees_the_outputs_version_counter() -> None:
+    """The callback runs with ADInplaceOrView enabled: an alias it takes sees later writes."""
+    seen: list[tuple[torch.Tensor, int]] = []
+
+    def offload(tensor: torch.Tensor) -> Entry:
+        alias = tensor.detach()
+        seen.append((alias, alias._version))
+        return Entry(tensor)
+
+    def context_fn() -> Any:
+        contexts = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
+        return compat.offloading_selective_contexts(contexts, offload)
+
+    x = torch.randn(8, requires_grad=True)
+    torch_checkpoint.checkpoint(
+        lambda t: t.sin().mul_(2), x * 1, use_reentrant=False, context_fn=context_fn
+    )
+    ((alias, version),) = seen
+    assert alias._version == version + 1
