@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import matepoint_compat as _compat
 from matepoint import _legacy
+from matepoint._budget import BudgetPlan
+from matepoint._budget_profile import DeviceModel
 from matepoint._checkpoint import checkpoint, checkpoint_sequential
 from matepoint._errors import InplaceModificationError, MatepointError, PinnedMemoryExhausted
 from matepoint._monitor import prefetch_now, release_pool, report, reset_stats, stats
@@ -28,6 +30,8 @@ if _compat.__version__ != __version__:
     )
 
 __all__ = [
+    "BudgetPlan",
+    "DeviceModel",
     "InplaceModificationError",
     "MatepointError",
     "MemoryPlan",

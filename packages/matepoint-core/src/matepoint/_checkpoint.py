@@ -256,6 +256,8 @@ def _checkpoint(
         if plan.strategy == "none":
             return function(*args, **kwargs)
         options = plan.options_for(options)
+        if plan.context_fn is not None and not reentrant:
+            checkpoint_options["context_fn"] = plan.context_fn
     adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)
     if (
         options is None

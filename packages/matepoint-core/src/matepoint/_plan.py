@@ -18,6 +18,8 @@ from typing import Any, cast
 
 import torch
 
+from matepoint._budget import BudgetPlan, fastest_under
+from matepoint._budget_profile import DeviceModel
 from matepoint._options import OffloadOptions, OffloadSettings, get_options, resolve
 from matepoint._plan_engine import SavedInput, Strategy
 from matepoint._plan_recommend import Recommendation, recommend
@@ -62,8 +64,8 @@ class MemoryPlan:
     link_bandwidth: float
     peak_flops: float
     saves: tuple[SavedInput, ...]
-    replan: Callable[[OffloadSettings], tuple[StrategyPlan, tuple[SavedInput, ...]]] = (
-        dataclasses.field(repr=False, compare=False)
+    replan: Callable[..., tuple[StrategyPlan, tuple[SavedInput, ...]]] = dataclasses.field(
+        repr=False, compare=False
     )
 
     def __getitem__(self, strategy: str) -> StrategyPlan:
@@ -87,6 +89,50 @@ class MemoryPlan:
             The proposal, or what would fit if nothing does.
         """
         return recommend(self.effective_options, self.replan, budget_bytes)
+
+    def fastest_under(
+        self,
+        budget_bytes: int,
+        *,
+        host_budget_bytes: int | None = None,
+        ranks_per_node: int = 1,
+        device: DeviceModel | None = None,
+    ) -> BudgetPlan:
+        """Find the fastest step within ``budget_bytes``: keep, offload or recompute per op kind.
+
+        Re-plans the step with selective-checkpoint policies on every ``matepoint.checkpoint``
+        call (one profile, then a few steps per kind of op); see Note [The budget search] in
+        ``matepoint._budget``. Peaks and bytes are the planner's; times come from ``device``.
+
+        Args:
+            budget_bytes: Device memory the step may use, parameters and gradients included.
+            host_budget_bytes: Pinned host RAM a node may use, or None for no limit.
+            ranks_per_node: Processes per node, each with its own pool. Default: ``1``.
+            device: Peak rates for the time model. Default: this plan's ``peak_flops`` and
+                ``link_bandwidth`` with an H200's memory bandwidth.
+
+        Returns:
+            The chosen plan (``fits`` False, and the smallest budget that would fit, if none
+            does).
+        """
+        if device is None:
+            device = DeviceModel(
+                peak_flops=self.peak_flops,
+                to_host_bandwidth=self.link_bandwidth,
+                to_device_bandwidth=self.link_bandwidth,
+            )
+
+        def run(context_fn: Callable[[], Any] | None, settings: OffloadSettings) -> StrategyPlan:
+            return self.replan(settings, context_fn=context_fn)[0]
+
+        return fastest_under(
+            run,
+            self.effective_options,
+            budget_bytes,
+            host_budget_bytes=host_budget_bytes,
+            ranks_per_node=ranks_per_node,
+            device=device,
+        )
 
     def to_dict(self, max_points: int = 2000) -> dict[str, Any]:
         """Return the whole plan as a JSON-ready dict."""
@@ -227,7 +273,11 @@ def plan(
     if unknown:
         raise ValueError(f"unknown strategies {sorted(unknown)}; known: {', '.join(STRATEGIES)}")
 
-    def run(strategy: str, settings: OffloadSettings | None) -> tuple[StrategyPlan, Any]:
+    def run(
+        strategy: str,
+        settings: OffloadSettings | None,
+        context_fn: Callable[[], Any] | None = None,
+    ) -> tuple[StrategyPlan, Any]:
         return run_step(
             fn,
             example_args,
@@ -237,6 +287,7 @@ def plan(
             loss_fn=loss_fn,
             link_bandwidth=link_bandwidth,
             peak_flops=peak_flops,
+            context_fn=context_fn,
         )
 
     plans: dict[str, StrategyPlan] = {}

@@ -18,7 +18,7 @@ Note [Planner fidelity]
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, Literal, cast
 
 import torch
@@ -122,12 +122,19 @@ class PlannedStep:
         strategy: ``"matepoint"`` offloads; ``"torch"`` checkpoints without offloading;
             ``"none"`` runs each checkpointed function directly.
         options: Settings for every offloading call instead of its own, or None.
+        context_fn: A ``context_fn`` for every non-reentrant checkpoint call instead of its
+            own, or None. Default: None.
     """
 
     def __init__(
-        self, tracker: MemoryTracker, strategy: Strategy, options: OffloadSettings | None
+        self,
+        tracker: MemoryTracker,
+        strategy: Strategy,
+        options: OffloadSettings | None,
+        context_fn: Callable[[], Any] | None = None,
     ) -> None:
         self.strategy = strategy
+        self.context_fn = context_fn
         channel = MetaChannel(tracker)
         self.engine = ChannelEngine(channel, channel)
         self.engine.pool.warn_on_fallback = False

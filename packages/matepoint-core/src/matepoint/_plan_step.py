@@ -181,6 +181,7 @@ def run_step(
     loss_fn: Callable[[Any], torch.Tensor] | None,
     link_bandwidth: float,
     peak_flops: float,
+    context_fn: Callable[[], Any] | None = None,
 ) -> tuple[StrategyPlan, tuple[SavedInput, ...]]:
     """Run forward and backward of ``fn`` once under ``strategy`` and report its memory.
 
@@ -193,12 +194,14 @@ def run_step(
         loss_fn: Turns the output into the loss; None sums it.
         link_bandwidth: Bytes per second each way, for the link times.
         peak_flops: FLOP/s, for the compute times.
+        context_fn: A ``context_fn`` for every non-reentrant checkpoint call instead of its
+            own (a budget plan's selective-checkpoint policy), or None. Default: None.
 
     Returns:
         The step's plan, and every checkpoint input matepoint saw, in order.
     """
     tracker = MemoryTracker("meta")
-    planned = PlannedStep(tracker, strategy, options)
+    planned = PlannedStep(tracker, strategy, options, context_fn)
     engine = planned.engine
     with planning_scope(planned), compat.meta_checkpointing(), tracker, CudaKernels(tracker):
         _adopt_existing(tracker, fn, (args, kwargs))

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Hashable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, Protocol
 
 import torch
 
@@ -89,6 +89,13 @@ class Planning(Protocol):
     @property
     def engine(self) -> ChannelEngine:
         """The plan's own engine, over a channel that moves nothing."""
+
+    @property
+    def context_fn(self) -> Callable[[], Any] | None:
+        """The ``context_fn`` every non-reentrant checkpoint call runs with, or None for its own.
+
+        A budget plan's candidate selective-checkpoint policy, or its per-region profiler.
+        """
 
     def options_for(self, call: ResolvedOptions | None) -> ResolvedOptions | None:
         """Return the options a checkpoint call runs with in the plan (None: no offloading)."""

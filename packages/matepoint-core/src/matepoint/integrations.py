@@ -25,7 +25,9 @@ from typing import Any
 
 from torch import nn
 
+from matepoint._budget import BudgetPlan
 from matepoint._checkpoint import checkpoint
+from matepoint._options import configure
 from matepoint_compat import torch_apply_activation_checkpointing, torch_checkpoint_wrapper
 
 __all__ = [
@@ -36,16 +38,25 @@ __all__ = [
 ]
 
 
-def matepoint_checkpoint_fn(**checkpoint_kwargs: Any) -> functools.partial[Any]:
+def matepoint_checkpoint_fn(
+    budget_plan: BudgetPlan | None = None, **checkpoint_kwargs: Any
+) -> functools.partial[Any]:
     """Return ``matepoint.checkpoint`` with its keyword arguments bound, non-reentrant by default.
 
     This is the callable the integrations install; it is also what to hand to any library that
-    takes a ``checkpoint_fn`` / ``gradient_checkpointing_func`` of torch's signature.
+    takes a ``checkpoint_fn`` / ``gradient_checkpointing_func`` of torch's signature. Every
+    integration below takes ``budget_plan=`` through it.
 
     Args:
+        budget_plan: A plan from :meth:`matepoint.MemoryPlan.fastest_under`: its
+            selective-checkpoint policy becomes every call's ``context_fn``, and its settings
+            are applied with :func:`matepoint.configure`. Default: None.
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint` (``pipeline``,
             ``offload``, ``preserve_rng_state``, ``context_fn``, ...). ``use_reentrant``
             defaults to ``False``.
+
+    Raises:
+        TypeError: For a ``budget_plan`` together with a ``context_fn`` of the caller's.
 
     Returns:
         A ``functools.partial`` of :func:`matepoint.checkpoint`.
@@ -56,6 +67,13 @@ def matepoint_checkpoint_fn(**checkpoint_kwargs: Any) -> functools.partial[Any]:
         >>> fn(torch.sin, torch.ones(2, requires_grad=True)).shape
         torch.Size([2])
     """
+    if budget_plan is not None:
+        if "context_fn" in checkpoint_kwargs:
+            raise TypeError("a budget_plan brings its own context_fn; pass one or the other")
+        configure(**budget_plan.settings_changes())
+        context_fn = budget_plan.context_fn()
+        if context_fn is not None:
+            checkpoint_kwargs["context_fn"] = context_fn
     return functools.partial(checkpoint, **{"use_reentrant": False, **checkpoint_kwargs})
 
 

@@ -1,4 +1,4 @@
-"""Example models for matepoint: a deep latent stack and a nanochat-style GPT.
+"""Example models for matepoint: a deep latent stack, a nanochat-style GPT and a Llama stack.
 
 Both run every block through a ``checkpoint_fn`` argument, so one model definition serves the
 no-checkpoint baseline, ``torch.utils.checkpoint``, matepoint and the offloading peers.
@@ -7,6 +7,7 @@ no-checkpoint baseline, ``torch.utils.checkpoint``, matepoint and the offloading
 from matepoint_examples.models._common import CheckpointFn, no_checkpoint
 from matepoint_examples.models._gpt import GPTBlock, GPTConfig, NanoGPT
 from matepoint_examples.models._latent import DeepLatentConfig, DeepLatentStack, LatentBlock
+from matepoint_examples.models._llama import LlamaBlock, LlamaConfig, LlamaStack
 
 __all__ = [
     "CheckpointFn",
@@ -15,6 +16,9 @@ __all__ = [
     "GPTBlock",
     "GPTConfig",
     "LatentBlock",
+    "LlamaBlock",
+    "LlamaConfig",
+    "LlamaStack",
     "NanoGPT",
     "no_checkpoint",
 ]

@@ -1,0 +1,288 @@
+"""The fastest step that fits a device-memory budget: keep, offload or recompute each kind of op.
+
+A checkpointed step recomputes every activation of its regions in backward, which costs about a
+fifth of a transformer's step; keeping what is expensive to recompute buys that time back with
+device memory, and offloading it buys it back with link time that forward's compute can hide.
+:func:`fastest_under` chooses, per kind of op inside the checkpointed regions (Note [Op kinds]
+in ``matepoint._budget_profile``), one of the three, and the look-ahead, so that the planned
+step is as fast as the time model says it can be while its planned peak stays within the
+budget. Every candidate is planned by running the step itself on the meta device through the
+real engine (``matepoint.plan``), so its peak, host RAM and link bytes are the planner's exact
+figures; only the times are estimates.
+
+Note [The budget search]
+    Kinds are ranked by recompute FLOPs per byte their outputs hold (attention near twice the
+    sequence length, a matrix product near its inner width) and taken best first. Each is kept
+    on the device if the step still fits, else offloaded if it fits that way and the step gets
+    faster (the link's time beyond the compute it overlaps counts against it), else recomputed.
+    When an offload does not fit with the look-ahead in force, fewer records fetched ahead
+    (``prefetch`` 1) are tried. A step is planned per try: one profile, then at most a few per
+    kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch.utils.checkpoint as torch_checkpoint
+
+from matepoint._budget_profile import DeviceModel, OpCall, RegionProfiler, op_kind
+from matepoint._options import OffloadSettings
+from matepoint._plan_step import StrategyPlan
+
+__all__ = ["BudgetPlan", "Decision", "KindProfile", "fastest_under", "step_seconds"]
+
+Decision = Literal["keep", "offload", "recompute"]
+_GIB = float(1 << 30)
+
+# What runs one planned step: (context_fn for every checkpoint call, settings) -> StrategyPlan.
+StepRunner = Callable[[Callable[[], Any] | None, OffloadSettings], StrategyPlan]
+
+
+@dataclasses.dataclass(frozen=True)
+class KindProfile:
+    """One kind of op across the checkpointed regions of a step.
+
+    Attributes:
+        kind: Its name (Note [Op kinds]).
+        calls: How many times it runs in one forward.
+        output_bytes: Bytes its outputs hold over the whole step.
+        flops: FLOPs of its forward calls (what recomputing them costs).
+    """
+
+    kind: str
+    calls: int
+    output_bytes: int
+    flops: int
+
+    @property
+    def flops_per_byte(self) -> float:
+        """Recompute FLOPs saved per byte kept: the ranking of Note [The budget search]."""
+        return self.flops / max(self.output_bytes, 1)
+
+
+def _kinds(calls: list[OpCall]) -> list[KindProfile]:
+    totals: dict[str, list[int]] = {}
+    for call in calls:
+        if call.kind == "other" or not call.output_bytes:
+            continue
+        entry = totals.setdefault(call.kind, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += call.output_bytes
+        entry[2] += call.flops
+    kinds = [KindProfile(kind, *values) for kind, values in totals.items()]
+    return sorted(kinds, key=lambda kind: kind.flops_per_byte, reverse=True)
+
+
+def step_seconds(strategy_plan: StrategyPlan, device: DeviceModel, prefetch: int) -> float:
+    """Estimate a planned step's time: compute, plus link time the compute cannot hide.
+
+    Compute is the step's FLOPs at ``device.peak_flops`` (recomputation included, so what is
+    kept or offloaded shortens backward). Copies to the host overlap forward and copies back
+    overlap backward; what they take beyond that is added. Without look-ahead every copy back
+    is waited for.
+    """
+    forward = strategy_plan.forward_flops / device.peak_flops
+    backward = strategy_plan.backward_flops / device.peak_flops
+    to_host = strategy_plan.bytes_to_host / device.to_host_bandwidth
+    to_device = strategy_plan.bytes_to_device / device.to_device_bandwidth
+    hidden_back = 0.0 if prefetch == 0 else backward
+    return forward + backward + max(0.0, to_host - forward) + max(0.0, to_device - hidden_back)
+
+
+_POLICY_VALUES = {
+    "keep": torch_checkpoint.CheckpointPolicy.MUST_SAVE,
+    "offload": torch_checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD,
+    "recompute": torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE,
+}
+
+
+def _policy(decisions: tuple[tuple[str, Decision], ...]) -> Callable[..., Any]:
+    chosen = dict(decisions)
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        del ctx, kwargs
+        return _POLICY_VALUES[chosen.get(op_kind(func, args), "recompute")]
+
+    return policy
+
+
+def _context_fn(decisions: tuple[tuple[str, Decision], ...]) -> Callable[[], Any] | None:
+    if all(decision == "recompute" for _, decision in decisions):
+        return None
+    return functools.partial(
+        torch_checkpoint.create_selective_checkpoint_contexts, _policy(decisions)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """The fastest planned step found within a device-memory budget, and how to apply it.
+
+    Apply it with ``matepoint.configure(**plan.settings_changes())`` and
+    ``context_fn=plan.context_fn()`` on every checkpoint call, or in one call through
+    ``matepoint.integrations`` (``plan=``).
+
+    Attributes:
+        budget_bytes: The device-memory budget, parameters and gradients included.
+        host_budget_bytes: The pinned host RAM budget per node, or None.
+        ranks_per_node: Processes per node sharing its host RAM (each pins its own pool).
+        fits: Whether the chosen step fits both budgets.
+        decisions: Per kind of op, ``"keep"``, ``"offload"`` or ``"recompute"``.
+        prefetch: The look-ahead chosen (``OffloadSettings.prefetch``).
+        peak_bytes: The chosen step's planned peak device memory.
+        pinned_bytes_per_node: Pinned host RAM of one rank's pool times ``ranks_per_node``
+            (the pool's exact-size blocks, so no rounding beyond what the pool holds).
+        step_seconds: The chosen step's estimated time.
+        every_block_seconds: The estimated time of matepoint on every block, nothing kept.
+        smallest_budget_bytes: The least peak among the steps tried: the budget that would fit
+            when nothing did.
+        kinds: The kinds of op ranked, best first.
+        strategy_plan: The chosen step's full plan (a :class:`matepoint.StrategyPlan`).
+    """
+
+    budget_bytes: int
+    host_budget_bytes: int | None
+    ranks_per_node: int
+    fits: bool
+    decisions: tuple[tuple[str, Decision], ...]
+    prefetch: int
+    peak_bytes: int
+    pinned_bytes_per_node: int
+    step_seconds: float
+    every_block_seconds: float
+    smallest_budget_bytes: int
+    kinds: tuple[KindProfile, ...]
+    strategy_plan: StrategyPlan = dataclasses.field(repr=False, compare=False)
+
+    def policy(self) -> Callable[..., Any]:
+        """The selective-checkpoint policy: ``policy(ctx, op, *args, **kwargs)``."""
+        return _policy(self.decisions)
+
+    def context_fn(self) -> Callable[[], Any] | None:
+        """The ``context_fn`` for every checkpoint call (None when everything is recomputed)."""
+        return _context_fn(self.decisions)
+
+    def settings_changes(self) -> dict[str, Any]:
+        """The settings to pass to :func:`matepoint.configure` with it."""
+        return {"prefetch": self.prefetch}
+
+    def __str__(self) -> str:
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines = [
+            f"matepoint budget plan: {self.budget_bytes / _GIB:.2f} GiB device budget, {verdict}",
+            f"  planned peak {self.peak_bytes / _GIB:.2f} GiB; pinned host RAM "
+            f"{self.pinned_bytes_per_node / _GIB:.2f} GiB per node ({self.ranks_per_node} "
+            "rank(s))",
+            f"  estimated step {self.step_seconds * 1e3:.1f} ms against "
+            f"{self.every_block_seconds * 1e3:.1f} ms for matepoint on every block "
+            f"({self.step_seconds / self.every_block_seconds:.3f})",
+            f"  look-ahead (prefetch) {self.prefetch}",
+        ]
+        if not self.fits:
+            lines.append(
+                f"  the smallest budget that fits: {self.smallest_budget_bytes / _GIB:.2f} GiB"
+            )
+        decided = dict(self.decisions)
+        for kind in self.kinds:
+            lines.append(
+                f"  {kind.kind:<24} {decided.get(kind.kind, 'recompute'):<10} "
+                f"{kind.output_bytes / _GIB:8.2f} GiB in {kind.calls} calls, "
+                f"{kind.flops_per_byte:8.0f} FLOP/byte"
+            )
+        return "\n".join(lines)
+
+
+def fastest_under(
+    run: StepRunner,
+    settings: OffloadSettings,
+    budget_bytes: int,
+    *,
+    host_budget_bytes: int | None = None,
+    ranks_per_node: int = 1,
+    device: DeviceModel | None = None,
+) -> BudgetPlan:
+    """Search keep / offload / recompute per kind of op; see Note [The budget search].
+
+    Args:
+        run: Plans one step with a ``context_fn`` on every checkpoint call and given settings.
+        settings: The settings to start from (the look-ahead is lowered if that helps fit).
+        budget_bytes: Device memory the step may use.
+        host_budget_bytes: Pinned host RAM one node may use, or None for no limit.
+        ranks_per_node: Ranks sharing a node's host RAM.
+        device: The time model's device. Default: :class:`DeviceModel`'s H200 figures.
+
+    Returns:
+        The plan.
+    """
+    device = device if device is not None else DeviceModel()
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+
+    def fits(strategy_plan: StrategyPlan) -> bool:
+        host = strategy_plan.pinned_bytes * ranks_per_node
+        return strategy_plan.peak_bytes <= budget_bytes and (
+            host_budget_bytes is None or host <= host_budget_bytes
+        )
+
+    profiler = RegionProfiler()
+    baseline = run(profiler, settings)
+    kinds = _kinds(profiler.calls)
+    every_block = step_seconds(baseline, device, settings.prefetch)
+    smallest = baseline.peak_bytes
+    best = (baseline, settings, every_block)
+    decisions: dict[str, Decision] = {}
+    if not fits(baseline) and settings.prefetch > 0:
+        fewer = dataclasses.replace(settings, prefetch=0)
+        tried = run(None, fewer)
+        smallest = min(smallest, tried.peak_bytes)
+        if fits(tried):
+            best = (tried, fewer, step_seconds(tried, device, 0))
+    if fits(best[0]):
+        for kind in kinds:
+            attempts: tuple[tuple[Decision, tuple[OffloadSettings, ...]], ...] = (
+                ("keep", (best[1],)),
+                ("offload", _lookaheads(best[1])),
+            )
+            for decision, candidates in attempts:
+                trial: tuple[tuple[str, Decision], ...] = tuple(
+                    sorted({**decisions, kind.kind: decision}.items())
+                )
+                accepted = False
+                for candidate in candidates:
+                    tried = run(_context_fn(trial), candidate)
+                    smallest = min(smallest, tried.peak_bytes)
+                    seconds = step_seconds(tried, device, candidate.prefetch)
+                    if fits(tried) and seconds < best[2]:
+                        best = (tried, candidate, seconds)
+                        decisions[kind.kind] = decision
+                        accepted = True
+                        break
+                if accepted:
+                    break
+    chosen, chosen_settings, seconds = best
+    return BudgetPlan(
+        budget_bytes=budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+        ranks_per_node=ranks_per_node,
+        fits=fits(chosen),
+        decisions=tuple(sorted(decisions.items())),
+        prefetch=chosen_settings.prefetch,
+        peak_bytes=chosen.peak_bytes,
+        pinned_bytes_per_node=chosen.pinned_bytes * ranks_per_node,
+        step_seconds=seconds,
+        every_block_seconds=every_block,
+        smallest_budget_bytes=smallest,
+        kinds=tuple(kinds),
+        strategy_plan=chosen,
+    )
+
+
+def _lookaheads(settings: OffloadSettings) -> tuple[OffloadSettings, ...]:
+    """The settings an offload is tried with: the look-ahead in force, then one record ahead."""
+    if settings.prefetch <= 1:
+        return (settings,)
+    return (settings, dataclasses.replace(settings, prefetch=1))

@@ -1,0 +1,134 @@
+"""What each checkpointed region computes, op by op, and what recomputing each kind of op costs.
+
+A budget plan (``matepoint._budget``) decides per kind of op inside the checkpointed regions
+whether its outputs are kept on the device, offloaded to host memory, or recomputed. This module
+gives it the two things it ranks the kinds by: the bytes an op's outputs hold, and the time
+recomputing them takes, estimated without a GPU (FLOPs over the device's peak rate, bytes over
+its memory bandwidth, whichever is longer).
+
+Note [Op kinds]
+    Ops are grouped by what a selective-checkpoint policy can see of them before they run (the
+    function and its inputs), so the same key names them when profiled and when the policy
+    decides: ``"attention"`` (every scaled-dot-product attention kernel), ``"matmul KxN"``
+    (matrix products by their inner and output width, so a block's projections are told apart:
+    a transformer has a few such shapes, each repeated in every block) and ``"other"``
+    (elementwise work, norms, views: cheap to recompute per byte, so never worth keeping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import torch
+
+import matepoint_compat as compat
+
+__all__ = ["DeviceModel", "OpCall", "ProfilingMode", "op_kind"]
+
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
+# The matrix operands' positions: addmm and baddbmm take the bias first.
+_BIAS_FIRST = frozenset({"addmm", "baddbmm"})
+
+
+def op_kind(func: Any, args: tuple[Any, ...]) -> str:
+    """Name the kind of an op call from what a policy sees of it. See Note [Op kinds]."""
+    name: str = func.overloadpacket.__name__
+    if "scaled_dot_product" in name or name.endswith("attention_forward"):
+        return "attention"
+    if name in _MATMULS:
+        left, right = (args[1], args[2]) if name in _BIAS_FIRST else (args[0], args[1])
+        if isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor):
+            return f"matmul {left.shape[-1]}x{right.shape[-1]}"
+    return "other"
+
+
+def _tensor_bytes(values: Any) -> int:
+    leaves, _ = compat.tree_flatten(values)
+    return sum(
+        leaf.numel() * leaf.element_size() for leaf in leaves if isinstance(leaf, torch.Tensor)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceModel:
+    """The device a plan's times are estimated for: peak rates, no measurement needed.
+
+    Attributes:
+        peak_flops: Dense matrix FLOP/s (bf16 on an H100/H200 by default).
+        memory_bandwidth: Device memory bytes per second.
+        to_host_bandwidth: Device-to-host link bytes per second.
+        to_device_bandwidth: Host-to-device link bytes per second.
+    """
+
+    peak_flops: float = 989e12
+    memory_bandwidth: float = 4.8e12
+    to_host_bandwidth: float = 55e9
+    to_device_bandwidth: float = 55e9
+
+    def op_seconds(self, flops: int, moved_bytes: int) -> float:
+        """Estimate one op's time: bound by arithmetic or by memory traffic, the larger."""
+        return max(flops / self.peak_flops, moved_bytes / self.memory_bandwidth)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCall:
+    """One op run in the forward of a checkpointed region.
+
+    Attributes:
+        region: Which checkpoint call of the step (0 for the first).
+        kind: Its kind (Note [Op kinds]).
+        flops: Its FLOPs, as torch's flop counter counts them.
+        output_bytes: Bytes of its outputs: what keeping or offloading them holds.
+        moved_bytes: Bytes of its inputs and outputs: what it reads and writes at least.
+    """
+
+    region: int
+    kind: str
+    flops: int
+    output_bytes: int
+    moved_bytes: int
+
+
+class ProfilingMode(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records every op of one region's forward as an :class:`OpCall`.
+
+    Installed as the forward context of each checkpoint call (its ``context_fn``), so it sees
+    exactly the ops a selective-checkpoint policy would be asked about, and no others.
+    """
+
+    def __init__(self, region: int, calls: list[OpCall]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.region = region
+        self.calls = calls
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        output_bytes = _tensor_bytes(out)
+        self.calls.append(
+            OpCall(
+                region=self.region,
+                kind=op_kind(func, args),
+                flops=compat.op_flops(func, args, kwargs, out),
+                output_bytes=output_bytes,
+                moved_bytes=output_bytes + _tensor_bytes((args, kwargs)),
+            )
+        )
+        return out
+
+
+class RegionProfiler:
+    """A ``context_fn`` for every checkpoint call of a step that profiles each region's forward."""
+
+    def __init__(self) -> None:
+        self.calls: list[OpCall] = []
+        self.regions = 0
+
+    def __call__(self) -> tuple[Any, Any]:
+        mode = ProfilingMode(self.regions, self.calls)
+        self.regions += 1
+        return mode, contextlib.nullcontext()

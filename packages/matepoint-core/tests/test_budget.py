@@ -1,0 +1,216 @@
+"""The budget plan: keep, offload or recompute per kind of op, within a device-memory budget.
+
+The search runs on the meta device through the planner; what it chooses is then run for real on
+the CPU test transport, where its selective-checkpoint policy must give torch's gradients and
+move exactly the bytes the plan said it would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import matepoint
+from matepoint._budget import step_seconds
+from matepoint._budget_profile import DeviceModel, op_kind
+from matepoint.testing import CPUTestTransport, use_transport
+
+WIDTH, HIDDEN, TOKENS, BLOCKS = 64, 256, 128, 4
+
+
+# The planner imitates CUDA's attention and RMS norm kernels (what they save differs from the
+# CPU's); tests that compare planned with real CPU traffic switch attention off.
+ATTENTION = True
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Block(nn.Module):
+    """A small pre-norm transformer block: attention projections and a SwiGLU MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
+        self.out = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.up = nn.Linear(WIDTH, HIDDEN, bias=False)
+        self.gate = nn.Linear(WIDTH, HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, WIDTH, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(_norm(x)).view(1, TOKENS, 3, 4, WIDTH // 4).unbind(2)
+        if ATTENTION:
+            a = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
+        else:  # elementwise, so the planner runs what the CPU runs (no CUDA kernel stand-in)
+            a = (q * k.sigmoid() + v).transpose(1, 2)
+        x = x + self.out(a.transpose(1, 2).reshape(1, TOKENS, WIDTH))
+        h = _norm(x)
+        return x + self.down(F.silu(self.up(h)) * self.gate(h))
+
+
+class Stack(nn.Module):
+    def __init__(self, context_fn: Callable[[], Any] | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.context_fn = context_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = {} if self.context_fn is None else {"context_fn": self.context_fn}
+        for block in self.blocks:
+            x = matepoint.checkpoint(block, x, **extra)
+        return x
+
+
+def _plan() -> matepoint.MemoryPlan:
+    with torch.device("meta"):
+        stack = Stack()
+        x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
+    return matepoint.plan(stack, x, options=matepoint.OffloadSettings(min_offload_bytes=0))
+
+
+def test_op_kinds_name_matrix_products_by_shape_and_attention() -> None:
+    a, b = torch.empty(8, 64, device="meta"), torch.empty(64, 192, device="meta")
+    assert op_kind(torch.ops.aten.mm.default, (a, b)) == "matmul 64x192"
+    assert op_kind(torch.ops.aten.addmm.default, (torch.empty(192), a, b)) == "matmul 64x192"
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    assert op_kind(flash, (a, a, a)) == "attention"
+    assert op_kind(torch.ops.aten.add.Tensor, (a, a)) == "other"
+
+
+def test_a_roomy_budget_keeps_what_is_dear_to_recompute_and_the_step_gets_faster() -> None:
+    memory_plan = _plan()
+    every_block = memory_plan["matepoint"]
+    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2)
+    assert budget.fits
+    assert budget.peak_bytes <= budget.budget_bytes
+    assert budget.step_seconds < budget.every_block_seconds
+    assert budget.strategy_plan.backward_flops < every_block.backward_flops
+    kept = {kind for kind, decision in budget.decisions if decision == "keep"}
+    assert kept, budget
+    ranking = [kind.flops_per_byte for kind in budget.kinds]
+    assert ranking == sorted(ranking, reverse=True)
+    assert "planned peak" in str(budget)
+
+
+def test_a_budget_below_every_block_says_so_and_names_the_smallest_that_fits() -> None:
+    memory_plan = _plan()
+    floor = memory_plan["matepoint"].peak_bytes
+    budget = memory_plan.fastest_under(floor // 2)
+    assert not budget.fits
+    assert budget.decisions == ()
+    assert floor // 2 < budget.smallest_budget_bytes <= floor
+    assert "does NOT fit" in str(budget)
+    assert "smallest budget that fits" in str(budget)
+
+
+def test_a_slow_link_never_offloads() -> None:
+    memory_plan = _plan()
+    every_block = memory_plan["matepoint"].peak_bytes
+    slow = DeviceModel(peak_flops=1e12, to_host_bandwidth=1e3, to_device_bandwidth=1e3)
+    budget = memory_plan.fastest_under(every_block, device=slow)
+    assert budget.fits
+    assert "offload" not in dict(budget.decisions).values()
+    assert budget.strategy_plan.bytes_to_host == memory_plan["matepoint"].bytes_to_host
+
+
+def test_offloading_is_chosen_when_the_link_is_free_and_keeping_does_not_fit() -> None:
+    memory_plan = _plan()
+    every_block = memory_plan["matepoint"].peak_bytes
+    free_link = DeviceModel(peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18)
+    roomy = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=free_link)
+    # Between every block's peak and what keeping everything needs: offloading must carry it.
+    budget = memory_plan.fastest_under((every_block + roomy.peak_bytes) // 2, device=free_link)
+    assert budget.fits
+    assert "offload" in dict(budget.decisions).values(), budget
+    assert budget.strategy_plan.bytes_to_host > memory_plan["matepoint"].bytes_to_host
+
+
+def test_the_host_budget_and_ranks_per_node_limit_offloading() -> None:
+    memory_plan = _plan()
+    free_link = DeviceModel(peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18)
+    every_block = memory_plan["matepoint"]
+    host = every_block.pinned_bytes * 2
+    budget = memory_plan.fastest_under(
+        every_block.peak_bytes, host_budget_bytes=host, ranks_per_node=2, device=free_link
+    )
+    assert budget.fits
+    assert budget.pinned_bytes_per_node == budget.strategy_plan.pinned_bytes * 2 <= host
+    assert "offload" not in dict(budget.decisions).values()
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        memory_plan.fastest_under(every_block.peak_bytes, ranks_per_node=0)
+
+
+def test_the_step_time_hides_copies_under_compute_and_counts_the_rest() -> None:
+    plan = dataclasses.make_dataclass(
+        "Planned",
+        ["forward_flops", "backward_flops", "bytes_to_host", "bytes_to_device"],
+    )
+    device = DeviceModel(peak_flops=1.0, to_host_bandwidth=1.0, to_device_bandwidth=1.0)
+    assert step_seconds(plan(10, 20, 5, 15), device, prefetch=2) == 30
+    assert step_seconds(plan(10, 20, 15, 25), device, prefetch=2) == 40
+    assert step_seconds(plan(10, 20, 5, 15), device, prefetch=0) == 45
+
+
+def test_the_chosen_plan_runs_for_real_with_torchs_gradients_and_the_planned_traffic(
+    fresh_stats: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies that complete at once: the planner's one assumption (Note [Planner fidelity])."""
+    monkeypatch.setattr(__import__(__name__), "ATTENTION", False)
+    memory_plan = _plan()
+    every_block = memory_plan["matepoint"].peak_bytes
+    free_link = DeviceModel(peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18)
+    roomy = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=free_link)
+    budget = memory_plan.fastest_under((every_block + roomy.peak_bytes) // 2, device=free_link)
+    decisions = dict(budget.decisions)
+    assert "offload" in decisions.values()
+
+    torch.manual_seed(0)
+    planned = Stack(budget.context_fn())
+    reference = Stack()
+    reference.load_state_dict(planned.state_dict())
+    x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
+    x_reference = x.detach().clone().requires_grad_()
+    with (
+        use_transport(CPUTestTransport(completion="immediate")),
+        matepoint.options(min_offload_bytes=0, **budget.settings_changes()),
+    ):
+        planned(x).sum().backward()
+        stats = matepoint.stats()
+    with torch.no_grad():
+        out = reference.blocks[0](x_reference)
+    del out
+    expected = x_reference
+    for block in reference.blocks:
+        expected = torch.utils.checkpoint.checkpoint(block, expected, use_reentrant=False)
+    expected.sum().backward()
+    assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
+    for mine, theirs in zip(planned.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
+    counters = budget.strategy_plan.counters
+    real = dataclasses.asdict(stats)
+    assert {name: real[name] for name in counters} == counters
+
+
+def test_the_integrations_apply_a_budget_plan_in_one_call() -> None:
+    import matepoint.integrations as mi
+
+    memory_plan = _plan()
+    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2)
+    before = matepoint.get_options()
+    try:
+        function = mi.matepoint_checkpoint_fn(budget_plan=budget)
+        assert function.keywords["context_fn"] is not None
+        assert matepoint.get_options().prefetch == budget.prefetch
+        with pytest.raises(TypeError, match="context_fn"):
+            mi.matepoint_checkpoint_fn(budget_plan=budget, context_fn=lambda: None)
+    finally:
+        matepoint.configure(**dataclasses.asdict(before))
