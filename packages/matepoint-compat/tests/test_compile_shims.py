@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,3 +61,55 @@ def test_synchronous_copies_leave_the_stream_settings_off() -> None:
 
     compat.compiled_offload_config(pipelined=False)
     assert not any(getattr(config, name) for name in _STREAM_SETTINGS)
+
+
+@pytest.mark.skipif(not compat.COMPILED_OFFLOAD, reason="this torch has no compiled offload path")
+def test_a_compile_scope_restores_every_setting_it_set() -> None:
+    """Note [Compile settings are scoped]: the settings hold from the trace until the compile
+    ends, and the joint pass's choices for its graph are undone with them."""
+    import torch._functorch.config as config
+
+    from matepoint_compat._compile._torch_names import COMPILE_SETTINGS
+
+    def own(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
+        return graph
+
+    before = {name: getattr(config, name) for name in COMPILE_SETTINGS}
+    compat.open_compile_scope(own)
+    try:
+        compat.open_compile_scope(own)  # once per compile
+        assert config.enable_activation_offloading is True
+        assert config.joint_custom_pass.own is own
+        compat.compiled_offload_config(pipelined=False)
+    finally:
+        compat.close_compile_scope()
+    assert {name: getattr(config, name) for name in COMPILE_SETTINGS} == before
+    compat.close_compile_scope()  # nothing open: nothing to do
+
+
+def _private_torch_names(path: Path) -> list[str]:
+    """``torch._x`` attributes, and string constants naming a private attribute, in code."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id == "torch":
+                found.append(ast.unparse(node))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch._"):
+            found.append(node.module or "")
+    return found
+
+
+def test_every_private_torch_name_of_the_compiled_path_is_in_torch_names() -> None:
+    import matepoint_compat._compile as package
+
+    folder = Path(package.__file__).parent
+    modules = [path for path in folder.glob("*.py") if path.name != "_torch_names.py"]
+    modules.append(folder.parent / "_deprecation.py")
+    assert len(modules) >= 7
+    assert {path.name: _private_torch_names(path) for path in modules} == {
+        path.name: [] for path in modules
+    }
+    assert _private_torch_names(folder / "_torch_names.py")  # where they are

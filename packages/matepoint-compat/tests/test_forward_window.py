@@ -1,4 +1,4 @@
-"""Tests for the forward copy window (``matepoint_compat._forward_window``).
+"""Tests for the forward copy window (``matepoint_compat._compile._forward_window``).
 
 The forward graphs are laid out by torch's own offloading functions, so the window is checked
 against the layout the installed torch really produces: torch 2.11's stream ops around a
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import matepoint_compat as compat
-from matepoint_compat import _forward_window
+from matepoint_compat._compile import _forward_window, _partition
 
 pytestmark = pytest.mark.skipif(
     not compat.COMPILED_OFFLOAD, reason="this torch has no compiled activation offloading"
@@ -200,7 +200,8 @@ def fake_offloading(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         lambda graph, bound: seen.append(bound) or 0,
     )
     yield seen
-    _forward_window._PENDING.max_inflight_bytes = None
+    _partition._PENDING.max_inflight_bytes = None
+    _partition._PENDING.matepoint_graph = False
 
 
 def test_a_window_asked_for_reaches_only_the_next_graph(fake_offloading: list[int]) -> None:

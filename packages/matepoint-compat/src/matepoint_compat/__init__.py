@@ -18,9 +18,7 @@ from matepoint_compat._accelerator import *
 from matepoint_compat._checkpoint import *
 from matepoint_compat._compile import *
 from matepoint_compat._deprecation import *
-from matepoint_compat._forward_window import *
 from matepoint_compat._hooks import *
-from matepoint_compat._inductor_order import *
 from matepoint_compat._legacy import *
 from matepoint_compat._planning import *
 from matepoint_compat._pytree import *

@@ -9,6 +9,15 @@ the helper before a removal release.
 from __future__ import annotations
 
 import warnings
+from typing import Any
+
+import torch
+
+from matepoint_compat._compile._torch_names import (
+    COMPILED_OFFLOAD,
+    run_at_trace_time,
+    traced_user_stack,
+)
 
 __all__ = ["MatepointDeprecationWarning", "warn_deprecated"]
 
@@ -92,8 +101,42 @@ def warn_deprecated(
         >>> caught[0].message.message
         '`old` is deprecated; use `new` instead'
     """
-    warning = MatepointDeprecationWarning(
-        f"{name} is deprecated; {replacement}", since=since, removal=removal
-    )
+    message = f"{name} is deprecated; {replacement}"
+    if COMPILED_OFFLOAD and torch.compiler.is_compiling():
+        # See Note [Deprecation warnings under torch.compile].
+        _warn_while_tracing(message, since, removal, stacklevel + 1)
+        return
+    warning = MatepointDeprecationWarning(message, since=since, removal=removal)
     # +1 skips this helper's own frame, so the caller's stacklevel means what it would for warn().
     warnings.warn(warning, stacklevel=stacklevel + 1)
+
+
+# Note [Deprecation warnings under torch.compile]
+#     Dynamo cannot trace the construction of a warning object with its own __init__: a 0.1.x
+#     keyword in a compiled model would fail a fullgraph compile, and without fullgraph skip
+#     the frame (nothing compiled, nothing offloaded). So while Dynamo traces, the warning is
+#     given at trace time, outside the graph, by a function Dynamo calls for real: attributed to
+#     the traced line the stacklevel names (Dynamo's record of the frames it traces), and once
+#     per line as Python's default filter shows it, with one registry per file. A compiled
+#     graph runs without warning again, as a warning in eager mode shows once per line too.
+#     Where matepoint has no compiled path (torch before 2.11, gate COMPILED_OFFLOAD), Dynamo
+#     graph-breaks at matepoint's checkpoint anyway, and the warning is given as in eager mode.
+_TRACE_TIME_REGISTRIES: dict[str, dict[Any, Any]] = {}
+
+
+@run_at_trace_time
+def _warn_while_tracing(message: str, since: str, removal: str, stacklevel: int) -> None:
+    """Warn now, at trace time, attributed to the traced frame ``stacklevel`` names.
+
+    ``stacklevel`` counts as :func:`warnings.warn` counts from :func:`warn_deprecated`'s frame
+    (the innermost traced one). Outside a trace (nothing recorded) it warns from here.
+    """
+    warning = MatepointDeprecationWarning(message, since=since, removal=removal)
+    stack = traced_user_stack()
+    if len(stack) < stacklevel:
+        warnings.warn(warning, stacklevel=2)
+        return
+    frame = stack[-stacklevel]
+    registry = _TRACE_TIME_REGISTRIES.setdefault(frame.filename, {})
+    lineno = frame.lineno or 0
+    warnings.warn_explicit(warning, type(warning), frame.filename, lineno, registry=registry)

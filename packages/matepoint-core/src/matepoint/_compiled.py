@@ -6,11 +6,13 @@ Note [The compiled path]
     installed torch has what it takes, ``matepoint_compat.COMPILED_OFFLOAD``), the call is handed
     to ``torch.utils.checkpoint.checkpoint``, which Dynamo recognises and traces as a
     higher-order op, with the function's body annotated as a matepoint region. The offload is
-    then the compiler's: a joint-graph pass, installed while tracing, marks each value a
-    matepoint region reads from outside (its saved inputs, nested and keyword tensors included,
-    one value once however many regions read it), and torch's activation offloading
+    then the compiler's: a joint-graph pass marks each value a matepoint region reads from
+    outside (its saved inputs, nested and keyword tensors included, one value once however many
+    regions read it), and torch's activation offloading
     (``torch._functorch._activation_offloading``) copies the ones the partitioner saves to the
-    host after their last forward use and back before backward needs them.
+    host after their last forward use and back before backward needs them. Everything it takes
+    from torch is in ``matepoint_compat._compile``, every private torch name in its
+    ``_torch_names`` module behind a release gate.
 
     Why this route and not matepoint's own copies as custom ops: the partitioner decides which
     values a compiled graph saves (the region inputs, after its own recomputation choices), so
@@ -23,31 +25,42 @@ Note [The compiled path]
     also copies on the transfer stream there (``matepoint_compat`` mends the op torch 2.11 cannot
     compile).
 
-    What carries over from matepoint's options: ``min_offload_bytes`` and the keep rules (what
-    stays on the device in eager mode stays there here too); ``pipeline`` chooses torch's
-    transfer stream and prefetched reloads, or synchronous copies; with the stream,
-    ``max_inflight_bytes`` bounds the forward copies still running when a new one starts, as in
-    eager mode (Note [The forward copy window] in ``matepoint_compat._forward_window``: torch
-    alone makes the compute stream wait for each copy right after starting it), and inductor
-    compiles the marked graphs with its peak-memory reorder off, which otherwise moves every
-    forward copy after the forward's last kernel (Note [Inductor's peak-memory reorder] in
-    ``matepoint_compat._inductor_order``). The other
-    device settings (stash, look-ahead count, pool) have no effect: torch schedules and
-    allocates the copies. A region's choices are resolved when Dynamo traces it (changing the
-    settings later does not recompile) and go into torch's compile cache key through the
-    checkpoint's ``context_fn`` (``matepoint_compat.recompute_all_context_fn``), so a cached
-    graph is never reused for other choices; not for ``use_reentrant=True`` (torch's eager
-    checkpoint, which Dynamo falls back to when the body graph-breaks, refuses a ``context_fn``
-    there) nor when the call brings its own ``context_fn``. ``matepoint.stats()`` does not
-    count these copies.
+    One engine with the eager path: a region's choices come from the eager path's
+    ``matepoint._options.resolve`` (its ``offload=`` and ``pipeline=``, the settings, the 0.1.x
+    ``NOPIPELINE``; its errors), called when Dynamo traces the region (changing the settings
+    later does not recompile); which values move is the pack hook's own answer,
+    ``matepoint._saving.stay_reason`` (the keep rules, the transport's device, a dense layout),
+    asked of the traced values. ``pipeline`` chooses torch's transfer stream and prefetched
+    reloads, or synchronous copies; with the stream, ``max_inflight_bytes`` bounds the forward
+    copies still running when a new one starts, as in eager mode (Note [The forward copy
+    window]: torch alone makes the compute stream wait for each copy right after starting it),
+    and inductor compiles the marked graphs with its peak-memory reorder off, which otherwise
+    moves every forward copy after the forward's last kernel (Note [Inductor's peak-memory
+    reorder]). The other device settings (stash, look-ahead count, pool) have no effect: torch
+    schedules and allocates the copies. ``matepoint.stats()`` counts the copies per graph run
+    (Note [Counting compiled copies]). A 0.1.x keyword warns at trace time, at the line of the
+    call (Note [Deprecation warnings under torch.compile]).
 
-    The cache and torch 2.11: its transfer-stream copies cannot be loaded from AOTAutograd's
+    torch's settings: the AOTAutograd settings the path needs (the joint pass, offloading on,
+    how the copies run) are set when Dynamo traces a matepoint region and restored when that
+    compile ends (Note [Compile settings are scoped]).
+
+    The cache: a region's choices go into torch's compile cache key through the checkpoint's
+    ``context_fn`` (``matepoint_compat.recompute_all_context_fn``, one per set of choices, see
+    Note [Context functions looked up by name]), so a cached graph is never reused for other
+    choices; not for ``use_reentrant=True`` (torch's eager checkpoint, which Dynamo falls back
+    to when the body graph-breaks, refuses a ``context_fn`` there) nor when the call brings its
+    own ``context_fn``. torch 2.11's transfer-stream copies cannot be loaded from AOTAutograd's
     cache (``matepoint_compat.STREAM_COPIES_CACHEABLE``: the stream and events are registered
     by the partitioner, which a cached graph skips, and the graph's first stream op fails). So
     there a pipelined region's ``context_fn`` has no ``cache_hash``, which makes AOTAutograd
     bypass its cache for the graph (inductor's own cache still serves its kernels), and a
     region that cannot carry matepoint's ``context_fn`` (reentrant, or the call's own) copies
     synchronously.
+
+    What differs from eager: a view of a parameter computed in the graph and read by a region
+    is a computed value there and may move (the eager path keeps it: it frees nothing); the
+    bytes counted are the traced sizes.
 """
 
 from __future__ import annotations
@@ -59,16 +72,45 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint_compat as compat
-from matepoint._legacy import pipeline_disabled as legacy_pipeline_disabled
-from matepoint._options import OffloadOptions, get_options
+from matepoint._options import OffloadOptions, resolve
 from matepoint._registry import transport
-from matepoint._saving import _stays_on_device
+from matepoint._saving import stay_reason
 
 __all__ = ["checkpoint"]
 
-# cache_hash -> the context_fn that carries it. Dynamo takes a context_fn only as a function
-# object it can look up (here, by the constant key _resolve returns), not one made while tracing.
-_CONTEXT_FNS: dict[str, Callable[[], tuple[Any, Any]]] = {}
+# A checkpoint's offload= as traced code hands it to _resolve: None or a bool as it is, an
+# OffloadOptions as its fields (Dynamo passes only constants to a trace-time function, and an
+# OffloadOptions built inside the compiled code is not one).
+_OffloadChoice = bool | None | tuple[bool, bool | None, int | None, tuple[tuple[str, Any], ...]]
+
+
+class _ContextFns:
+    """The ``context_fn`` of each set of choices traced so far, one class attribute each.
+
+    Note [Context functions looked up by name]
+        Dynamo takes a checkpoint's ``context_fn`` only as a function object it can find in the
+        program (a global, an attribute), not as one made while tracing nor as the result of a
+        trace-time call. Looked up in a dict, it failed: Dynamo reads a dict once per trace, so
+        a key that the trace-time resolution added after that (a second set of choices in one
+        model, in a fresh process) raised ``KeyError``, which failed a fullgraph compile and
+        otherwise made Dynamo skip the frame (nothing offloaded). An attribute looked up by a
+        name that is new for new choices is read when the lookup is traced.
+    """
+
+
+_CONTEXT_FN_NAMES: dict[str, str] = {}
+"""cache_hash -> the name of its ``context_fn`` on :class:`_ContextFns`."""
+
+
+def _describe(offload: OffloadOptions | bool | None) -> _OffloadChoice:
+    if isinstance(offload, OffloadOptions):
+        return (
+            offload.enabled,
+            offload.pipeline,
+            offload.min_offload_bytes,
+            offload.deprecated_settings,
+        )
+    return offload
 
 
 def checkpoint(
@@ -87,29 +129,22 @@ def checkpoint(
     torch's does under compile), plus, unless the call brings its own, a ``context_fn``
     equivalent to none.
     """
-    call_min_offload_bytes: int | None = None
-    call_pipeline: bool | None = None
-    if isinstance(offload, OffloadOptions):
-        if offload.enabled:
-            call_min_offload_bytes = offload.min_offload_bytes
-            call_pipeline = offload.pipeline
-        else:
-            offload = False
-    elif offload is not None and offload is not True and offload is not False:
-        raise TypeError(
-            "checkpoint() offload= must be an OffloadOptions, True, False or None, "
-            f"got {type(offload).__name__}"
-        )
-    if offload is False:
+    given: tuple[object, object] = (offload, pipeline)  # as the caller passed them, unchecked
+    if not (given[0] is None or isinstance(given[0], (bool, OffloadOptions))) or not isinstance(
+        given[1], bool
+    ):
+        resolve(offload, pipeline)  # raises the eager path's TypeError (traced: Dynamo stops)
+    choices = _resolve(_describe(offload), pipeline)
+    if choices is None:
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+    context_fn_name, min_offload_bytes, pipelined, max_inflight_bytes = choices
+    _open_compile_scope()
     reentrant = True if use_reentrant is None else bool(use_reentrant)
     # Raises for keywords the installed torch lacks, as the eager path does.
     with compat.adapt_checkpoint_kwargs(kwargs, use_reentrant=reentrant):
-        key, min_offload_bytes, pipelined, max_inflight_bytes = _resolve(
-            call_min_offload_bytes, call_pipeline, pipeline
-        )
         if not reentrant and "context_fn" not in kwargs:
-            kwargs["context_fn"] = _CONTEXT_FNS[key]
+            # See Note [Context functions looked up by name].
+            kwargs["context_fn"] = getattr(_ContextFns, context_fn_name)
         elif pipelined and not compat.STREAM_COPIES_CACHEABLE:
             # Without matepoint's context_fn nothing keeps this graph out of AOTAutograd's
             # cache, where torch 2.11's transfer-stream copies break (see the Note): copy
@@ -129,43 +164,56 @@ def checkpoint(
 
 
 @compat.run_at_trace_time
-def _resolve(
-    call_min_offload_bytes: int | None, call_pipeline: bool | None, pipeline: bool
-) -> tuple[str, int, bool, int]:
-    """Resolve a region's choices, as the eager path would, while Dynamo traces it.
+def _resolve(offload: _OffloadChoice, pipeline: bool) -> tuple[str, int, bool, int] | None:
+    """Resolve a region's choices while Dynamo traces it, with the eager path's ``resolve``.
 
-    Installs the joint-graph pass (see Note [The compiled path]) and the region's context_fn.
+    Also makes the region's ``context_fn`` (see Note [Context functions looked up by name]).
 
     Returns:
-        The context_fn's key, the minimum size to move, whether to pipeline, and the forward
+        None if the call offloads nothing; else the ``context_fn``'s name on
+        :class:`_ContextFns`, the minimum size to move, whether to pipeline, and the forward
         copy window's bound (the device's ``max_inflight_bytes``).
     """
-    settings = get_options()
-    min_offload_bytes = (
-        settings.min_offload_bytes if call_min_offload_bytes is None else call_min_offload_bytes
-    )
-    chosen_pipeline = settings.pipeline if call_pipeline is None else call_pipeline
-    pipelined = pipeline and chosen_pipeline and not legacy_pipeline_disabled()
-    compat.install_joint_pass(_mark_saved_inputs)
+    call: OffloadOptions | bool | None
+    if isinstance(offload, tuple):
+        enabled, call_pipeline, min_offload_bytes, deprecated_settings = offload
+        call = OffloadOptions(
+            enabled=enabled,
+            pipeline=call_pipeline,
+            min_offload_bytes=min_offload_bytes,
+            deprecated_settings=deprecated_settings,
+        )
+    else:
+        call = offload
+    options = resolve(call, pipeline)
+    if options is None:
+        return None
     # The transport decides which devices offload (tests make the CPU one).
     key = (
-        f"matepoint {compat.__version__} min_offload_bytes={min_offload_bytes} "
-        f"pipeline={pipelined} max_inflight_bytes={settings.max_inflight_bytes} "
+        f"matepoint {compat.__version__} min_offload_bytes={options.min_offload_bytes} "
+        f"pipeline={options.pipelined} max_inflight_bytes={options.max_inflight_bytes} "
         f"transport={type(transport()).__qualname__}"
     )
-    if key not in _CONTEXT_FNS:
-        cacheable = compat.STREAM_COPIES_CACHEABLE or not pipelined
-        _CONTEXT_FNS[key] = compat.recompute_all_context_fn(key, cacheable=cacheable)
-    return key, min_offload_bytes, pipelined, settings.max_inflight_bytes
+    name = _CONTEXT_FN_NAMES.get(key)
+    if name is None:
+        name = f"context_fn_{len(_CONTEXT_FN_NAMES)}"
+        cacheable = compat.STREAM_COPIES_CACHEABLE or not options.pipelined
+        setattr(_ContextFns, name, compat.recompute_all_context_fn(key, cacheable=cacheable))
+        _CONTEXT_FN_NAMES[key] = name
+    return name, options.min_offload_bytes, options.pipelined, options.max_inflight_bytes
 
 
-def _offloads(value: torch.Tensor, min_offload_bytes: int) -> bool:
-    """Whether eager matepoint would move this saved input (the same keep rules)."""
-    if _stays_on_device(value):
-        return False
-    if compat.nbytes_hint(value) < max(min_offload_bytes, 1):
-        return False
-    return transport().channel_key(value) is not None
+@compat.run_at_trace_time
+def _open_compile_scope() -> None:
+    """Set torch's settings for the compile being traced (Note [Compile settings are scoped])."""
+    compat.open_compile_scope(_mark_saved_inputs)
+
+
+def _moves(value: torch.Tensor, min_offload_bytes: int) -> bool:
+    """Whether eager matepoint would move this saved input: the pack hook's own rules."""
+    nbytes = compat.nbytes_hint(value)
+    channel_key = transport().channel_key
+    return stay_reason(value, min_offload_bytes, channel_key, traced_nbytes=nbytes) is None
 
 
 def _mark_saved_inputs(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
@@ -175,12 +223,12 @@ def _mark_saved_inputs(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.
     max_inflight_bytes: int | None = None
     marked = False
     for node, value, regions in compat.region_inputs(graph):
-        wanted = [region for region in regions if _offloads(value, region["min_offload_bytes"])]
+        wanted = [region for region in regions if _moves(value, region["min_offload_bytes"])]
         if not wanted:
             continue
         smallest = min(region["min_offload_bytes"] for region in wanted)
         for marked_node, marked_value in [(node, value), *compat.producers_outside_regions(node)]:
-            if marked_node is node or _offloads(marked_value, smallest):
+            if marked_node is node or _moves(marked_value, smallest):
                 compat.mark_for_offload(marked_node)
         marked = True
         bounds = [region["max_inflight_bytes"] for region in wanted]

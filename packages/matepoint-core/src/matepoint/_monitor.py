@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import matepoint_compat as compat
 from matepoint import _registry
 from matepoint._options import resolve
 from matepoint._registry import all_engines
@@ -20,6 +21,9 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
 
     Returns:
         The counters summed over all devices, plus the pools' and engines' current sizes.
+        Offloads and fetches include the copies of compiled graphs (the compiled path, Note
+        [Counting compiled copies] in ``matepoint_compat._compile._traffic``): counted per graph
+        run, at the traced sizes.
 
     Example:
         >>> import matepoint
@@ -29,6 +33,11 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
     snapshot = OffloadStats()
     snapshot.add(kept_counters)
     snapshot.add(_registry.retired)
+    compiled = compat.COMPILED_TRAFFIC
+    snapshot.offloads += compiled.offloads
+    snapshot.bytes_offloaded += compiled.bytes_offloaded
+    snapshot.fetches += compiled.fetches
+    snapshot.bytes_fetched += compiled.bytes_fetched
     for engine in all_engines():
         engine.settle(block=synchronize)
         snapshot.add(engine.counters)
@@ -42,9 +51,10 @@ def reset_stats() -> None:
     """Set every counter back to zero, for a fresh count over the next steps.
 
     Resets the event counts of :class:`OffloadStats` (offloads, fetches, waits, dedupe and
-    prefetch hits, kept-in-place counts) and the pools' ``pool_blocks_allocated``,
-    ``pool_blocks_reused`` and ``pageable_fallbacks``. Sizes (``pool_pinned_bytes``,
-    ``pool_in_use_bytes``, ``live_records``, ``device_bytes_held``) are current values and stay.
+    prefetch hits, kept-in-place counts, the compiled graphs' copies) and the pools'
+    ``pool_blocks_allocated``, ``pool_blocks_reused`` and ``pageable_fallbacks``. Sizes
+    (``pool_pinned_bytes``, ``pool_in_use_bytes``, ``live_records``, ``device_bytes_held``) are
+    current values and stay.
 
     Example:
         >>> import matepoint
@@ -53,6 +63,7 @@ def reset_stats() -> None:
         0
     """
     kept_counters.reset()
+    compat.COMPILED_TRAFFIC.reset()
     _registry.retired = OffloadStats()
     for engine in all_engines():
         with engine.lock:

@@ -8,16 +8,25 @@ the device tensor from wherever it lives now.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Hashable
 from typing import Literal
 
 import torch
 
 from matepoint._options import ResolvedOptions
 from matepoint._records import KeptTensor, Record
-from matepoint._registry import engine_of, planning
+from matepoint._registry import engine_of, planning, transport
 from matepoint._stats import Counters
 
-__all__ = ["KeepReason", "count_kept", "keep_reason", "kept_counters", "pack", "unpack"]
+__all__ = [
+    "KeepReason",
+    "count_kept",
+    "keep_reason",
+    "kept_counters",
+    "pack",
+    "stay_reason",
+    "unpack",
+]
 
 
 def _is_dense(tensor: torch.Tensor) -> bool:
@@ -75,25 +84,60 @@ KeepReason = Literal["parameter", "other", "small", "empty"]
 """Why a saved input stays where it is; ``"empty"`` is torch 2.4-2.11's 0-element dummy."""
 
 
-def keep_reason(tensor: torch.Tensor, min_offload_bytes: int) -> KeepReason | None:
+def keep_reason(
+    tensor: torch.Tensor, min_offload_bytes: int, *, traced_nbytes: int | None = None
+) -> KeepReason | None:
     """Why a saved input stays where it is, whatever device it is on; None if it may move.
 
     The keep rules matepoint's pack hook applies before it asks about the device (a tensor
     that passes must still be on an offloadable device and dense); the planner applies the
     same rules. Views of a parameter keep the parameter's memory alive anyway, so moving them
     frees nothing.
+
+    Args:
+        traced_nbytes: Given for a value of a compiled graph (a fake tensor standing for a plain
+            tensor the graph computes): its bytes (the traced example's, with dynamic shapes).
+            The type and parameter rules are then the graph's: AOTAutograd has flattened tensor
+            subclasses, and parameters are graph inputs, which the compiled path never moves.
     """
-    if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
-        return "parameter" if isinstance(tensor, torch.nn.Parameter) else "other"
-    # See Note [Private tensor attributes read directly] in matepoint_compat.
-    if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
-        return "parameter"
+    if traced_nbytes is None:
+        if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
+            return "parameter" if isinstance(tensor, torch.nn.Parameter) else "other"
+        # See Note [Private tensor attributes read directly] in matepoint_compat.
+        if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
+            return "parameter"
     if _stays_on_device(tensor):
         return "other"
-    nbytes = tensor.numel() * tensor.element_size()
+    nbytes = tensor.numel() * tensor.element_size() if traced_nbytes is None else traced_nbytes
     if nbytes < max(min_offload_bytes, 1):
         return "small" if nbytes else "empty"
     return None
+
+
+def stay_reason(
+    tensor: torch.Tensor,
+    min_offload_bytes: int,
+    channel_key: Callable[[torch.Tensor], Hashable | None],
+    *,
+    traced_nbytes: int | None = None,
+) -> KeepReason | None:
+    """Why a saved input stays where it is, by every rule; None if it moves.
+
+    The one answer to "does this saved input move?" for the pack hook and for the compiled
+    path's joint-graph pass (See Note [The compiled path] in ``matepoint._compiled``): the keep
+    rules (:func:`keep_reason`), then the device (the transport's ``channel_key``: None where
+    it does not offload) and the layout (dense: one block of storage to copy).
+
+    Args:
+        tensor: The saved input (or, with ``traced_nbytes``, a compiled graph's value).
+        min_offload_bytes: The call's minimum size to move.
+        channel_key: The active transport's ``channel_key``.
+        traced_nbytes: As in :func:`keep_reason`.
+    """
+    reason = keep_reason(tensor, min_offload_bytes, traced_nbytes=traced_nbytes)
+    if reason is None and (channel_key(tensor) is None or not _is_dense(tensor)):
+        return "other"
+    return reason
 
 
 def count_kept(counters: Counters, reason: KeepReason) -> None:
@@ -118,10 +162,11 @@ def pack(tensor: torch.Tensor, options: ResolvedOptions, pipelined: bool) -> Rec
         The object autograd keeps in place of the tensor.
     """
     plan = planning()  # See Note [Planning scope] in matepoint._registry.
-    reason = keep_reason(tensor, options.min_offload_bytes)
+    active = transport() if plan is None else plan.engine.transport
+    reason = stay_reason(tensor, options.min_offload_bytes, active.channel_key)
     if reason is None:
         engine = engine_of(tensor, plan)
-        if engine is not None and _is_dense(tensor):
+        if engine is not None:
             record = engine.offload(tensor, options, pipelined)
             if plan is not None:
                 plan.saved(tensor, "offloaded" if record.packs == 1 else "shared")

@@ -22,7 +22,7 @@ Note [The forward copy window]
     copy in flight 1.122, two 1.133, every wait at the end of forward 1.136, torch's placement
     1.365. On the benchmark's deep stacks inductor then moved every copy to the end of the
     forward, which undid the window (Note [Inductor's peak-memory reorder] in
-    ``matepoint_compat._inductor_order`` says why and how matepoint's graphs avoid it).
+    ``matepoint_compat._compile._inductor_order`` says why and how matepoint's graphs avoid it).
 
     Lifetime: the value being copied must stay on the device until the compute stream has
     waited for its copy. torch 2.12+'s ``ao::wait_tensor`` takes it as a keep-alive argument.
@@ -42,9 +42,10 @@ Note [The forward copy window]
 
     Where: torch's partitioner calls ``enable_activation_offloading`` (looked up in its module at
     each call) right after matepoint's joint-graph pass has marked the values; the wrapper
-    installed here runs it, then moves the waits of that one forward graph when matepoint asked
-    for a window while marking it. A graph whose copies do not have the shape expected of the
-    installed torch keeps torch's placement (correct, only slower), with a warning.
+    installed by ``matepoint_compat._compile._partition`` runs it, then moves the waits of that
+    one forward graph when matepoint asked for a window while marking it. A graph whose copies
+    do not have the shape expected of the installed torch keeps torch's placement (correct,
+    only slower), with a warning.
 
     The 2.11 parts (``_stream_copies``: the keep-alive and the moved ``record_stream``) can go
     when torch 2.12 is the oldest release the compiled path supports (gate
@@ -54,28 +55,25 @@ Note [The forward copy window]
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
-import threading
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from matepoint_compat._compile import nbytes_hint
-from matepoint_compat._inductor_order import keep_order
+from matepoint_compat._compile._regions import nbytes_hint
+from matepoint_compat._compile._torch_names import (
+    ASYNC_OFFLOAD_OP,
+    ASYNC_WAIT_OP,
+    OFFLOAD_PREFIX,
+    STREAM_COPY_PATTERN,
+)
 
 __all__ = [
     "COPIES_IN_FLIGHT",
     "FORWARD_WINDOW_COUNTS",
     "ForwardWindowCounts",
     "bound_forward_waits",
-    "set_forward_window",
 ]
-
-_OFFLOAD_PREFIX = "cpu_offload_"
 
 
 @dataclass
@@ -90,7 +88,7 @@ class _Copy:
     """torch 2.11: the ``record_stream`` of the value before its copy (2.12+: none)."""
 
 
-class _UnexpectedShape(Exception):
+class UnexpectedShape(Exception):
     """The copies in a forward graph are not laid out as the installed torch lays them out."""
 
 
@@ -102,7 +100,7 @@ def _op_name(node: torch.fx.Node) -> str:
 def _value_bytes(node: torch.fx.Node) -> int:
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
-        raise _UnexpectedShape(f"copied value {node.name} has no tensor metadata")
+        raise UnexpectedShape(f"copied value {node.name} has no tensor metadata")
     return nbytes_hint(value)
 
 
@@ -110,49 +108,36 @@ def _async_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
     """torch 2.12+: ``ao::offload(value)`` then ``ao::wait_tensor(offload, value)``."""
     copies = []
     for node in nodes:
-        if _op_name(node) != "ao::wait_tensor":
+        if _op_name(node) != ASYNC_WAIT_OP:
             continue
         offload = node.args[0]
-        if not isinstance(offload, torch.fx.Node) or _op_name(offload) != "ao::offload":
+        if not isinstance(offload, torch.fx.Node) or _op_name(offload) != ASYNC_OFFLOAD_OP:
             continue
         value = offload.args[0]
         if not isinstance(value, torch.fx.Node) or node.args[1:2] != (value,):
-            raise _UnexpectedShape(f"{node.name} does not keep its copied value alive")
+            raise UnexpectedShape(f"{node.name} does not keep its copied value alive")
         copies.append(_Copy(offload, node, value, _value_bytes(value)))
     return copies
 
 
-_STREAM_PATTERN = (
-    "streams::record_event",
-    "streams::fork",
-    "streams::wait_event",
-    "streams::record_stream",
-    "prims::device_put",
-    "streams::record_event",
-    "streams::join",
-    "streams::wait_event",
-)
-"""torch 2.11's nodes around one forward copy (``add_forward_offload_stream_ops``)."""
-
-
 def _stream_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
-    """torch 2.11: the copy sits at index 4 of ``_STREAM_PATTERN``; the last node is its wait."""
+    """torch 2.11: the copy sits at index 4 of ``STREAM_COPY_PATTERN``; the last is its wait."""
     copies = []
     for index, node in enumerate(nodes):
-        if _op_name(node) != "prims::device_put" or not node.name.startswith(_OFFLOAD_PREFIX):
+        if _op_name(node) != "prims::device_put" or not node.name.startswith(OFFLOAD_PREFIX):
             continue
         group = nodes[max(index - 4, 0) : index + 4]
-        if tuple(_op_name(member) for member in group) != _STREAM_PATTERN:
-            raise _UnexpectedShape(f"the stream ops around {node.name} are not torch 2.11's")
+        if tuple(_op_name(member) for member in group) != STREAM_COPY_PATTERN:
+            raise UnexpectedShape(f"the stream ops around {node.name} are not torch 2.11's")
         record_stream, wait = group[3], group[7]
         value = node.args[0]
         if not isinstance(value, torch.fx.Node) or record_stream.args[0] is not value:
-            raise _UnexpectedShape(f"{record_stream.name} does not name what {node.name} copies")
+            raise UnexpectedShape(f"{record_stream.name} does not name what {node.name} copies")
         copies.append(_Copy(group[0], wait, value, _value_bytes(value), record_stream))
     return copies
 
 
-def _find_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
+def find_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
     """The copies in a forward graph's nodes, in either torch layout (raises if unexpected)."""
     return _async_copies(nodes) + _stream_copies(nodes)
 
@@ -195,8 +180,8 @@ def bound_forward_waits(
     """
     nodes = list(graph.nodes)
     try:
-        copies = _find_copies(nodes)
-    except _UnexpectedShape as error:
+        copies = find_copies(nodes)
+    except UnexpectedShape as error:
         warnings.warn(
             f"matepoint: the compiled forward's copies to the host keep torch's placement (the "
             f"compute stream waits for each right after it starts): {error}",
@@ -249,65 +234,3 @@ class ForwardWindowCounts:
 
 FORWARD_WINDOW_COUNTS = ForwardWindowCounts()
 """The process's running counts (reset by assigning fresh values to the fields)."""
-
-
-class _Pending(threading.local):
-    """The window matepoint asked for the forward graph being partitioned now, if any.
-
-    Per thread: a graph's joint pass and its partitioner run in the thread that compiles it.
-    """
-
-    max_inflight_bytes: int | None = None
-    matepoint_graph: bool = False
-    """Whether matepoint's joint pass marked values of this graph (with or without a window)."""
-
-
-_PENDING = _Pending()
-
-
-def _wrap(original: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(original)
-    def enable_activation_offloading(
-        fwd_module: torch.fx.GraphModule, *args: Any, **kwargs: Any
-    ) -> None:
-        window, _PENDING.max_inflight_bytes = _PENDING.max_inflight_bytes, None
-        matepoint_graph, _PENDING.matepoint_graph = _PENDING.matepoint_graph, False
-        original(fwd_module, *args, **kwargs)
-        if matepoint_graph:
-            backward = args[0] if args else kwargs.get("bwd_module")
-            keep_order(fwd_module, *([backward] if backward is not None else []))
-        if window is not None:
-            FORWARD_WINDOW_COUNTS.graphs += 1
-            with contextlib.suppress(_UnexpectedShape):  # bound_forward_waits warns of it
-                FORWARD_WINDOW_COUNTS.copies += len(_find_copies(list(fwd_module.graph.nodes)))
-            FORWARD_WINDOW_COUNTS.waits_moved += bound_forward_waits(fwd_module.graph, window)
-            fwd_module.graph.lint()
-            fwd_module.recompile()
-
-    enable_activation_offloading.matepoint_window = True  # type: ignore[attr-defined]
-    return enable_activation_offloading
-
-
-def set_forward_window(max_inflight_bytes: int | None) -> None:
-    """Ask for a forward copy window on the graph whose joint pass is running now.
-
-    Called from matepoint's joint-graph pass, which runs right before the partitioner of the same
-    graph calls torch's ``enable_activation_offloading``; that call (wrapped here, once per
-    process) takes the request and clears it, so it never reaches another graph. See Note [The
-    forward copy window].
-
-    The same call has inductor compile the graph's forward and backward in their own order
-    (Note [Inductor's peak-memory reorder] in ``matepoint_compat._inductor_order``), with or
-    without a window.
-
-    Args:
-        max_inflight_bytes: The bound (``0``: torch's placement, with 2.11's copies made safe),
-            or ``None`` to leave torch's graph as it is (synchronous copies).
-    """
-    from torch._functorch._activation_offloading import activation_offloading
-
-    module: Any = activation_offloading
-    if not getattr(module.enable_activation_offloading, "matepoint_window", False):
-        module.enable_activation_offloading = _wrap(module.enable_activation_offloading)
-    _PENDING.max_inflight_bytes = max_inflight_bytes
-    _PENDING.matepoint_graph = True

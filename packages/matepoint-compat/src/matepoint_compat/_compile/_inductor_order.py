@@ -39,6 +39,12 @@ from typing import Any
 
 import torch
 
+from matepoint_compat._compile._torch_names import (
+    INDUCTOR_GRAPH_ENTRY,
+    inductor_compile_module,
+    inductor_order_kept,
+)
+
 __all__ = ["INDUCTOR_ORDER_COUNTS", "InductorOrderCounts", "keep_order"]
 
 _MARK = "matepoint_keep_order"
@@ -75,10 +81,8 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     def compile_graph(graph_module: Any, *args: Any, **kwargs: Any) -> Any:
         if not _marked(graph_module):
             return original(graph_module, *args, **kwargs)
-        import torch._inductor.config as inductor_config
-
         INDUCTOR_ORDER_COUNTS.compiled += 1
-        with inductor_config.patch(reorder_for_peak_memory=False):
+        with inductor_order_kept():
             return original(graph_module, *args, **kwargs)
 
     compile_graph.matepoint_keep_order = True  # type: ignore[attr-defined]
@@ -87,11 +91,10 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _install() -> None:
     """Wrap inductor's per-graph compile once per process (idempotent)."""
-    from torch._inductor import compile_fx
-
-    module: Any = compile_fx
-    if not getattr(module._compile_fx_inner, "matepoint_keep_order", False):
-        module._compile_fx_inner = _wrap(module._compile_fx_inner)
+    module = inductor_compile_module()
+    compile_graph = getattr(module, INDUCTOR_GRAPH_ENTRY)
+    if not getattr(compile_graph, "matepoint_keep_order", False):
+        setattr(module, INDUCTOR_GRAPH_ENTRY, _wrap(compile_graph))
 
 
 def keep_order(*graph_modules: torch.fx.GraphModule) -> None:

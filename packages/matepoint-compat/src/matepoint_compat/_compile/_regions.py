@@ -1,0 +1,194 @@
+"""A matepoint region in a compiled graph: its annotation, its inputs, and their marks.
+
+Dynamo traces ``matepoint.checkpoint`` as torch's checkpoint with the body annotated
+(:func:`annotate_offload`); in the joint graph, :func:`region_inputs` finds the values those
+regions read from outside, and :func:`mark_for_offload` asks the partitioner's offloading to
+move one if it is saved. See Note [The compiled path] in ``matepoint._compiled``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from matepoint_compat._compile._torch_names import (
+    ANNOTATION_META,
+    OFFLOAD_PREFIX,
+    REGION_META,
+    SHOULD_OFFLOAD_META,
+    annotate,
+    size_hint,
+)
+
+__all__ = [
+    "annotate_offload",
+    "forward_nodes",
+    "mark_for_offload",
+    "nbytes_hint",
+    "offloaded_nodes",
+    "producers_outside_regions",
+    "recompute_all_context_fn",
+    "region_inputs",
+]
+
+_ANNOTATION_KEY = "matepoint"
+
+
+def annotate_offload(annotation: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """Tag every node traced inside the ``with`` block as part of a matepoint region.
+
+    Args:
+        annotation: Plain constants (ints, bools, None): the region's offload choices, which
+            :func:`region_inputs` hands back to the pass.
+    """
+    return annotate({_ANNOTATION_KEY: annotation})
+
+
+def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_all_contexts(cache_hash: str) -> tuple[Any, Any]:
+    del cache_hash  # it only identifies the partial that carries it
+    create_contexts: Any = torch_checkpoint.create_selective_checkpoint_contexts
+    contexts: tuple[Any, Any] = create_contexts(_recompute_everything)
+    return contexts
+
+
+def recompute_all_context_fn(
+    cache_hash: str, *, cacheable: bool = True
+) -> Callable[[], tuple[Any, Any]]:
+    """A checkpoint ``context_fn`` that compiles exactly like none, with a cache identity.
+
+    torch 2.11+ compiles a checkpoint given no ``context_fn`` as selective checkpointing with a
+    policy that recomputes every op (``torch._higher_order_ops.wrap``); passing that same policy
+    explicitly yields the same graph. AOTAutograd adds a ``context_fn``'s ``cache_hash`` to its
+    cache key, so a compiled graph is cached per matepoint choice that shaped it. It is a
+    ``functools.partial`` of a module-level function: Dynamo takes a ``context_fn`` only as a
+    function or a partial, and the cache pickles it. torch logs once per process that a
+    ``context_fn`` was passed under compile.
+
+    Args:
+        cache_hash: What identifies the choices this region was compiled with.
+        cacheable: False to keep every graph holding this region out of AOTAutograd's cache:
+            the ``context_fn`` then has no ``cache_hash``, and AOTAutograd bypasses its cache
+            for a checkpoint's ``context_fn`` without one (see ``STREAM_COPIES_CACHEABLE``).
+
+    Returns:
+        A function for ``torch.utils.checkpoint.checkpoint(..., context_fn=...)``, to be looked
+        up (not created) in traced code.
+    """
+    context_fn = functools.partial(_recompute_all_contexts, cache_hash)
+    if cacheable:
+        context_fn.cache_hash = cache_hash  # type: ignore[attr-defined]
+    return context_fn
+
+
+def _is_tangent(node: torch.fx.Node) -> bool:
+    return node.op == "placeholder" and "tangents" in str(node.target)
+
+
+def forward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes of a joint graph that do not depend on a tangent (its forward part)."""
+    backward: set[torch.fx.Node] = set()
+    forward: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if _is_tangent(node) or any(arg in backward for arg in node.all_input_nodes):
+            backward.add(node)
+        else:
+            forward.add(node)
+    return forward
+
+
+def region_inputs(
+    graph: torch.fx.GraphModule,
+) -> Iterator[tuple[torch.fx.Node, torch.Tensor, list[dict[str, Any]]]]:
+    """Yield the forward values that matepoint regions of a joint graph read from outside.
+
+    A value is a region input when a forward node of an annotated checkpoint region uses it and
+    the value itself was computed outside that region (before it, or in an earlier region). Only
+    computed values (``call_function`` nodes) are yielded: graph inputs (parameters, buffers, the
+    model's own inputs) belong to the caller. Whether the partitioner saves a value is decided
+    later; a marked value that is not saved is left alone.
+
+    Yields:
+        ``(node, example value, annotations)``: the value's fake tensor and the annotation of
+        every matepoint region that reads it.
+    """
+    forward = forward_nodes(graph.graph)
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or node not in forward:
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        region = node.meta.get(REGION_META)
+        annotations = []
+        for user in node.users:
+            if user not in forward or REGION_META not in user.meta:
+                continue
+            annotation = user.meta.get(ANNOTATION_META, {}).get(_ANNOTATION_KEY)
+            if annotation is not None and user.meta[REGION_META] != region:
+                annotations.append(annotation)
+        if annotations:
+            yield node, value, annotations
+
+
+def nbytes_hint(value: torch.Tensor) -> int:
+    """Bytes of a traced value; with dynamic shapes, those of the example it was traced with.
+
+    A symbolic size's example is read without adding a guard (a size test must not specialize
+    the graph).
+    """
+    nbytes: Any = value.numel() * value.element_size()  # a SymInt with dynamic shapes
+    if isinstance(nbytes, int):
+        return nbytes
+    return size_hint(nbytes)
+
+
+def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.Tensor]]:
+    """Yield the computed values a region input is made from outside every checkpoint region.
+
+    The partitioner may save one of them in place of the input and recompute the rest in
+    backward (a GPT's normed embedding ``x0``, read by every block, is saved as the embedding):
+    marking them too moves whichever it saves. The walk goes back only through nodes computed
+    outside the regions: a region node it reaches is yielded but not walked through, and graph
+    inputs (parameters, the model's inputs) are not yielded.
+    """
+    if REGION_META in node.meta:
+        return
+    pending = list(node.all_input_nodes)
+    seen: set[torch.fx.Node] = set()
+    while pending:
+        current = pending.pop()
+        if current in seen or current.op != "call_function":
+            continue
+        seen.add(current)
+        value = current.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            yield current, value
+        if REGION_META not in current.meta:
+            pending.extend(current.all_input_nodes)
+
+
+def mark_for_offload(node: torch.fx.Node) -> None:
+    """Ask the partitioner's activation offloading to move this value if it is saved."""
+    node.meta[SHOULD_OFFLOAD_META] = True
+
+
+def offloaded_nodes(graph: torch.fx.GraphModule) -> list[str]:
+    """Names of the values a partitioned forward graph sends to the host (for tests and reports).
+
+    The partitioner names the host copy of value ``v`` ``cpu_offload_v``: the ``device_put`` of
+    the synchronous path, the ``ao.wait_tensor`` of the asynchronous one.
+    """
+    return [
+        node.name
+        for node in graph.graph.nodes
+        if node.op == "call_function" and node.name.startswith(OFFLOAD_PREFIX)
+    ]

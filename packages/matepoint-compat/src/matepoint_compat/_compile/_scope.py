@@ -1,0 +1,151 @@
+"""The torch settings a matepoint compile needs, set for that compile only.
+
+Note [Compile settings are scoped]
+    torch's compiled offloading is driven by process-wide settings of AOTAutograd
+    (``torch._functorch.config``: the joint-graph pass, offloading on, and how the copies run),
+    which it reads after Dynamo's trace, while it compiles the traced graph. matepoint sets them
+    when Dynamo traces a matepoint region (:func:`open_compile_scope`, from the trace-time
+    resolution of the region's choices) under one ``config.patch``, and the patch is undone when
+    that compile ends (Dynamo's end-of-compile callback, which runs also when the compile
+    fails): after a compiled step every setting is what it was before. The joint pass sets the
+    copy settings of the graph it marks (:func:`compiled_offload_config`) inside the same patch.
+    Dynamo compiles one frame at a time (its compile lock), so one scope is open at most.
+
+    What stays for the rest of the process, by design: the two wrappers of torch functions that
+    act only on graphs matepoint marked (``enable_activation_offloading``, inductor's
+    ``_compile_fx_inner``), the count op's registration, and on torch 2.11 the mend of
+    ``streams::record_stream`` (:func:`mend_stream_ops`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from matepoint_compat._compile._partition import set_forward_window
+from matepoint_compat._compile._torch_names import (
+    COMPILED_OFFLOAD,
+    JOINT_PASS_SETTING,
+    OFFLOAD_SETTING,
+    RELOAD_PREFETCH_SETTING,
+    SEPARATE_STREAM_SETTING,
+    SINK_WAIT_SETTING,
+    STREAM_SETTINGS,
+    functorch_config,
+    mend_record_stream,
+    on_compile_end,
+)
+from matepoint_compat._compile._traffic import register_count_op
+from matepoint_compat._version import TORCH_2_12_PLUS
+
+__all__ = ["close_compile_scope", "compiled_offload_config", "open_compile_scope"]
+
+_JointPass = Callable[[torch.fx.GraphModule, Any], torch.fx.GraphModule]
+
+
+class _ChainedJointPass:
+    """The joint pass set for a compile: the one found in torch's settings first, then
+    matepoint's."""
+
+    def __init__(self, previous: _JointPass | None, own: _JointPass) -> None:
+        self.previous = previous
+        self.own = own
+
+    def __call__(self, graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
+        if self.previous is not None:
+            graph = self.previous(graph, joint_inputs)
+        return self.own(graph, joint_inputs)
+
+
+_open_scope: contextlib.ExitStack | None = None
+
+
+def open_compile_scope(own: _JointPass) -> None:
+    """Set the settings the compile in progress needs, until it ends (Note [Compile settings are
+    scoped]).
+
+    ``own`` runs on every joint graph of this compile, after any pass the user set; offloading is
+    on (it acts only on marked nodes, so graphs without matepoint regions compile as before).
+    Idempotent within one compile. Call it only while Dynamo traces.
+    """
+    global _open_scope
+    if _open_scope is not None:
+        return
+    config = functorch_config()
+    current = getattr(config, JOINT_PASS_SETTING)
+    settings: dict[str, Any] = {name: getattr(config, name) for name in STREAM_SETTINGS}
+    settings[JOINT_PASS_SETTING] = _ChainedJointPass(current if callable(current) else None, own)
+    settings[OFFLOAD_SETTING] = True
+    scope = contextlib.ExitStack()
+    scope.enter_context(config.patch(settings))
+    _open_scope = scope
+    register_count_op()
+    on_compile_end(close_compile_scope)
+
+
+def close_compile_scope() -> None:
+    """Restore the settings :func:`open_compile_scope` set (nothing if none is open)."""
+    global _open_scope
+    scope, _open_scope = _open_scope, None
+    if scope is not None:
+        scope.close()
+
+
+def _record_stream_fake(tensor: torch.Tensor, stream_index: int) -> None:
+    del tensor, stream_index  # the op returns nothing and changes no tensor metadata
+
+
+def mend_stream_ops() -> None:
+    """Make torch 2.11's ``streams::record_stream`` compile, as torch 2.12 does.
+
+    torch 2.11 registers the op ``streams::record_stream(tensor, stream_index)`` (which tells
+    the caching allocator that a tensor is in use on another stream) with a fake implementation
+    of three other parameters, so inductor fails when it meets the op in a graph; and it does not
+    mark the op as having a side effect, so a graph pass may drop it as unused. Its
+    transfer-stream offload inserts the op before every copy, so neither torch's nor
+    matepoint's compiled offload can copy on the transfer stream there. This registers the fake
+    implementation and the side effect torch 2.12 has, for the rest of the process (checked on
+    an H200 with torch 2.11: gradients equal to torch's checkpoint under compile). Idempotent;
+    nothing to do from 2.12 on.
+    Shim (gate ``TORCH_2_12_PLUS``) can go when 2.12 is the oldest supported torch.
+    """
+    global _stream_ops_mended
+    if TORCH_2_12_PLUS or not COMPILED_OFFLOAD or _stream_ops_mended:
+        return
+    mend_record_stream(_record_stream_fake)
+    _stream_ops_mended = True
+
+
+_stream_ops_mended = False
+
+
+def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> None:
+    """Choose how the partitioner moves the marked values, for the graph being compiled.
+
+    ``pipelined``: copies on torch's transfer stream into pinned memory, backward's reloads moved
+    earlier by estimated transfer time (``activation_offload_separate_stream``,
+    ``activation_reload_prefetch``); otherwise synchronous ``device_put`` copies on the compute
+    stream. ``activation_offload_sink_wait`` stays off: it moves every forward wait to the end of
+    the graph, which keeps every offloaded value on the device until forward ends (its own
+    docstring says so for whole-model compile), so peak memory would not drop. Instead, with
+    ``max_inflight_bytes`` above 0, each forward wait moves only as far as that bound allows
+    (Note [The forward copy window]); at 0 the compute stream waits for each copy right after
+    starting it. Called from matepoint's joint pass, inside the compile's scope (Note [Compile
+    settings are scoped]), which restores the settings when the compile ends; they act only on
+    marked values. On torch 2.11, choosing the transfer stream first mends its ``record_stream``
+    op (:func:`mend_stream_ops`).
+
+    Args:
+        pipelined: Copy on the transfer stream (else synchronously on the compute stream).
+        max_inflight_bytes: With ``pipelined``, the forward copy window's bound in bytes.
+    """
+    config = functorch_config()
+    if pipelined:
+        mend_stream_ops()
+    setattr(config, SEPARATE_STREAM_SETTING, pipelined)
+    setattr(config, SINK_WAIT_SETTING, False)
+    setattr(config, RELOAD_PREFETCH_SETTING, pipelined)
+    set_forward_window(max_inflight_bytes if pipelined else None)

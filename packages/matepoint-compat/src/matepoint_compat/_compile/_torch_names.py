@@ -1,0 +1,244 @@
+"""Every private torch name the compiled path uses, each behind a named release gate.
+
+The rest of ``matepoint_compat._compile`` (and matepoint's core, through it) reaches torch's
+compiler internals only through this module: a shim is found here, with the release from which
+it can go. Names that are private by convention only (node ``meta`` keys, op and node names
+that torch's passes write) count too: a torch release that renames them breaks the path here.
+
+Gates (from ``matepoint_compat._version``):
+
+- ``COMPILED_OFFLOAD`` (torch 2.11+, with every name below present): the whole compiled path.
+  Nothing public replaces these names as of torch 2.13; each says what would let it go.
+- ``TORCH_2_12_PLUS``: torch 2.11's stream ops (``record_stream``'s mend, the layout of its
+  transfer-stream copies, the cache bypass) can go when 2.12 is the oldest supported torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import traceback
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any, TypeVar
+
+import torch
+
+from matepoint_compat._version import TORCH_2_11_PLUS, TORCH_2_12_PLUS
+
+__all__ = ["COMPILED_OFFLOAD", "STREAM_COPIES_CACHEABLE", "run_at_trace_time"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# -- AOTAutograd's settings (torch._functorch.config) -----------------------------------------
+# joint_custom_pass: a callable run on the joint graph just before the partitioner.
+# enable_activation_offloading and the activation_offload_* / activation_reload_* flags: the
+# partitioner's offloading of values marked SHOULD_OFFLOAD. Gate COMPILED_OFFLOAD; can go when
+# torch offers a public per-graph way to mark saved values for offloading.
+JOINT_PASS_SETTING = "joint_custom_pass"
+OFFLOAD_SETTING = "enable_activation_offloading"
+SEPARATE_STREAM_SETTING = "activation_offload_separate_stream"
+SINK_WAIT_SETTING = "activation_offload_sink_wait"
+RELOAD_PREFETCH_SETTING = "activation_reload_prefetch"
+STREAM_SETTINGS = (SEPARATE_STREAM_SETTING, SINK_WAIT_SETTING, RELOAD_PREFETCH_SETTING)
+COMPILE_SETTINGS = (JOINT_PASS_SETTING, OFFLOAD_SETTING, *STREAM_SETTINGS)
+"""Every ``torch._functorch.config`` setting the compiled path sets (within a compile only)."""
+
+
+def functorch_config() -> Any:
+    """``torch._functorch.config`` (AOTAutograd's settings; gate ``COMPILED_OFFLOAD``)."""
+    import torch._functorch.config as config
+
+    return config
+
+
+# -- graph node metadata and names that torch's passes read and write -------------------------
+# Gate COMPILED_OFFLOAD; each can go with the mechanism that uses it (see the package's Note).
+ANNOTATION_META = "custom"
+"""``node.meta`` key where ``torch.fx.traceback.annotate`` puts its dict (2.11+)."""
+REGION_META = "ac_graph_id"
+"""``node.meta`` key: the checkpoint region a joint-graph node belongs to (2.11+)."""
+SHOULD_OFFLOAD_META = "should_offload"
+"""``node.meta`` key: asks the partitioner's offloading to move a saved value (2.11+)."""
+OFFLOAD_PREFIX = "cpu_offload_"
+"""Name torch's offloading gives a value's copy to the host (forward graph)."""
+RELOAD_PREFIX = "gpu_reload_"
+"""Name torch's offloading gives a value's copy back to the device (backward graph)."""
+ASYNC_OFFLOAD_OP = "ao::offload"
+ASYNC_WAIT_OP = "ao::wait_tensor"
+"""torch 2.12+: a transfer-stream copy is ``ao::offload`` then ``ao::wait_tensor``."""
+STREAM_COPY_PATTERN = (
+    "streams::record_event",
+    "streams::fork",
+    "streams::wait_event",
+    "streams::record_stream",
+    "prims::device_put",
+    "streams::record_event",
+    "streams::join",
+    "streams::wait_event",
+)
+"""torch 2.11's nodes around one transfer-stream copy (``add_forward_offload_stream_ops``).
+Can go when 2.12 is the oldest supported torch (gate ``TORCH_2_12_PLUS``)."""
+
+
+def _has_compiled_offload() -> bool:
+    if not TORCH_2_11_PLUS:
+        return False
+    fx_traceback: Any = torch.fx.traceback
+    config = functorch_config()
+    return (
+        hasattr(fx_traceback, "annotate")
+        and all(hasattr(config, name) for name in COMPILE_SETTINGS)
+        and importlib.util.find_spec("torch._functorch._activation_offloading") is not None
+        and hasattr(torch._dynamo, "assume_constant_result")
+    )
+
+
+COMPILED_OFFLOAD: bool = _has_compiled_offload()
+"""Whether a whole-model compile can trace matepoint's checkpoint and offload its inputs.
+
+True from torch 2.11 on (the releases the mechanism is checked on) where all of its pieces
+exist. Where False, ``matepoint.checkpoint`` runs eagerly under compile, as before: Dynamo
+graph-breaks at each call. The gate can become a plain version gate when the oldest supported
+torch has all of it.
+"""
+
+STREAM_COPIES_CACHEABLE: bool = TORCH_2_12_PLUS
+"""Whether a compiled graph whose copies run on torch's transfer stream may be cached.
+
+torch 2.11's transfer-stream offload (``activation_offload_separate_stream``) creates its stream
+and events while the partitioner runs (``new_stream``, ``new_event``: Dynamo's table of objects a
+graph looks up by index at run time). A graph that AOTAutograd's cache hands to another process
+never runs the partitioner there, so its first stream op fails with "Index not registered in
+index_to_user_object_weakref" (seen on an H200 with torch 2.11: the second process of a run
+with a warm cache). From torch 2.12 the copies are ops (``ao::offload``, ``ao::reload``) that
+find their stream when they run, so the graph is cacheable. Where False, a pipelined matepoint
+region's ``context_fn`` carries no ``cache_hash``, so AOTAutograd bypasses its cache for that
+graph (inductor's FX graph cache still serves it: its key holds the stream and event numbers).
+Shim (gate ``TORCH_2_12_PLUS``) can go when 2.12 is the oldest supported torch.
+"""
+
+
+# -- Dynamo ----------------------------------------------------------------------------------
+
+
+def run_at_trace_time(function: _F) -> _F:
+    """Mark ``function`` so that Dynamo calls it for real while tracing and keeps its result.
+
+    ``torch._dynamo.assume_constant_result`` (gate ``COMPILED_OFFLOAD``; can go when Dynamo
+    offers a public way to run a function at trace time): Dynamo calls the marked function with
+    its (constant) arguments at trace time and puts the result in the graph as a constant; the
+    call costs nothing when the graph runs. Outside Dynamo it is a plain call.
+    """
+    assume_constant_result: Any = torch._dynamo.assume_constant_result
+    marked: _F = assume_constant_result(function)
+    return marked
+
+
+def traced_user_stack() -> traceback.StackSummary:
+    """The Python frames Dynamo is tracing now, outermost first (empty outside a trace).
+
+    ``torch._guards.TracingContext.extract_stack`` (every supported release; can go when Dynamo
+    attributes a warning raised while tracing to the traced line itself).
+    """
+    from torch._guards import TracingContext
+
+    stack: traceback.StackSummary = TracingContext.extract_stack()
+    return stack
+
+
+def on_compile_end(callback: Callable[[], None]) -> None:
+    """Have ``callback`` run when the compile in progress ends (however it ends).
+
+    ``torch._dynamo.callback.callback_handler`` (gate ``COMPILED_OFFLOAD``; can go when torch
+    scopes its compile settings to one compile itself): its end callbacks run when the outermost
+    compile of a frame ends, after the backend compiled its graphs, also when it fails.
+    ``torch._dynamo.reset()`` clears them, so this registers again where needed (idempotent).
+    """
+    from torch._dynamo.callback import callback_handler
+
+    handler: Any = callback_handler
+    if not any(
+        getattr(known, "matepoint_callback", None) is callback for known in handler.end_callbacks
+    ):
+
+        def run(args: Any) -> None:
+            del args
+            callback()
+
+        run.matepoint_callback = callback  # type: ignore[attr-defined]
+        handler.register_end_callback(run)
+
+
+def annotate(annotation: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """``torch.fx.traceback.annotate`` (gate ``COMPILED_OFFLOAD``; public API from 2.11 on, in a
+    private module): copies a dict into ``node.meta["custom"]`` of every node traced inside it,
+    through Dynamo and AOTAutograd."""
+    annotate_: Callable[[dict[str, Any]], contextlib.AbstractContextManager[None]]
+    annotate_ = torch.fx.traceback.annotate
+    return annotate_(annotation)
+
+
+# -- the partitioner's offloading and inductor ------------------------------------------------
+
+
+OFFLOADING_ENTRY = "enable_activation_offloading"
+"""The function of :func:`activation_offloading_module` the partitioner calls."""
+INDUCTOR_GRAPH_ENTRY = "_compile_fx_inner"
+"""The function of :func:`inductor_compile_module` that compiles one graph."""
+
+
+def activation_offloading_module() -> ModuleType:
+    """``torch._functorch._activation_offloading.activation_offloading`` (gate
+    ``COMPILED_OFFLOAD``): the partitioner calls its ``enable_activation_offloading``, looked up
+    in the module at each call, right after the joint pass. Can go with the joint pass."""
+    from torch._functorch._activation_offloading import activation_offloading
+
+    return activation_offloading
+
+
+def inductor_compile_module() -> ModuleType:
+    """``torch._inductor.compile_fx`` (gate ``COMPILED_OFFLOAD``): inductor compiles each graph
+    through its ``_compile_fx_inner``, looked up in the module at each call. Can go once
+    inductor's peak-memory estimate leaves host buffers out (Note [Inductor's peak-memory
+    reorder])."""
+    from torch._inductor import compile_fx
+
+    return compile_fx
+
+
+@contextlib.contextmanager
+def inductor_order_kept() -> Iterator[None]:
+    """``torch._inductor.config.patch(reorder_for_peak_memory=False)`` (gate
+    ``COMPILED_OFFLOAD``; goes with :func:`inductor_compile_module`)."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(reorder_for_peak_memory=False):
+        yield
+
+
+def size_hint(size: Any) -> int:
+    """A symbolic size's example value, without a guard (``optimization_hint`` of
+    ``torch.fx.experimental.symbolic_shapes``; every supported release)."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return int(optimization_hint(size, fallback=1 << 62))
+
+
+def mark_side_effect(op: Any) -> None:
+    """``torch.fx.node.has_side_effect``: a graph pass must keep ``op`` though nothing uses its
+    result (every supported release)."""
+    from torch.fx.node import has_side_effect
+
+    has_side_effect(op)
+
+
+def mend_record_stream(fake: Callable[[torch.Tensor, int], None]) -> None:
+    """torch 2.11's ``streams::record_stream`` (``torch._dynamo.variables.streams``): register
+    the fake implementation and side effect torch 2.12 gives it. Gate ``TORCH_2_12_PLUS``: can go
+    when 2.12 is the oldest supported torch."""
+    from torch._dynamo.variables import streams
+
+    record_stream: Any = streams.record_stream
+    record_stream.register_fake(fake)
+    mark_side_effect(torch.ops.streams.record_stream.default)

@@ -1,0 +1,119 @@
+"""Count what a compiled graph moves to the host and back, each time it runs.
+
+Note [Counting compiled copies]
+    The copies of the compiled path are ops of torch's compiled graphs; matepoint's engine never
+    sees them. So when the partitioner has put them in a matepoint graph, the forward gets one
+    op that adds the forward's copies to the host (how many, their bytes) to
+    :data:`COMPILED_TRAFFIC`, and the backward one that adds its copies back, both counted from
+    the graph when it is compiled: one Python call per graph run, nothing per tensor.
+    ``matepoint.stats()`` adds these counts to its offloads and fetches. The bytes are the
+    traced sizes (with dynamic shapes, those of the example the graph was traced with), counted
+    when the graph starts (a graph that raises midway has counted its copies). A graph served
+    by a compile cache carries its count op with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from matepoint_compat._compile._regions import nbytes_hint
+from matepoint_compat._compile._torch_names import OFFLOAD_PREFIX, RELOAD_PREFIX, mark_side_effect
+
+__all__ = ["COMPILED_TRAFFIC", "CompiledTrafficCounts", "count_graph_copies"]
+
+
+@dataclass
+class CompiledTrafficCounts:
+    """What compiled matepoint graphs moved in this process (see Note [Counting compiled copies]).
+
+    Args:
+        offloads: Values copied to the host by compiled forwards.
+        bytes_offloaded: Their bytes.
+        fetches: Values copied back to the device by compiled backwards.
+        bytes_fetched: Their bytes.
+    """
+
+    offloads: int = 0
+    bytes_offloaded: int = 0
+    fetches: int = 0
+    bytes_fetched: int = 0
+
+    def reset(self) -> None:
+        """Set every count back to zero."""
+        with _LOCK:
+            self.offloads = self.bytes_offloaded = self.fetches = self.bytes_fetched = 0
+
+
+COMPILED_TRAFFIC = CompiledTrafficCounts()
+"""The process's running counts (``matepoint.reset_stats()`` resets them)."""
+_LOCK = threading.Lock()
+
+
+def _add(to_host: bool, tensors: int, nbytes: int) -> None:
+    with _LOCK:
+        if to_host:
+            COMPILED_TRAFFIC.offloads += tensors
+            COMPILED_TRAFFIC.bytes_offloaded += nbytes
+        else:
+            COMPILED_TRAFFIC.fetches += tensors
+            COMPILED_TRAFFIC.bytes_fetched += nbytes
+
+
+@functools.cache
+def _count_op() -> Any:
+    """``matepoint_compat::count_copies(to_host, tensors, nbytes)``, registered once."""
+
+    @torch.library.custom_op("matepoint_compat::count_copies", mutates_args=())
+    def count_copies(to_host: bool, tensors: int, nbytes: int) -> None:
+        _add(to_host, tensors, nbytes)
+
+    @count_copies.register_fake
+    def _(to_host: bool, tensors: int, nbytes: int) -> None:
+        del to_host, tensors, nbytes
+
+    op = torch.ops.matepoint_compat.count_copies.default
+    mark_side_effect(op)  # it returns nothing: no pass may drop it
+    return op
+
+
+def register_count_op() -> None:
+    """Register the count op (before a cached graph that calls it can be loaded; idempotent)."""
+    _count_op()
+
+
+def _count(graph_module: torch.fx.GraphModule, prefix: str, to_host: bool) -> tuple[int, int]:
+    copies = [
+        node
+        for node in graph_module.graph.nodes
+        if node.op == "call_function" and node.name.startswith(prefix)
+    ]
+    values = [node.meta.get("val") for node in copies]
+    nbytes = sum(nbytes_hint(value) for value in values if isinstance(value, torch.Tensor))
+    if copies:
+        # First, after the inputs: a node with no inputs changes no buffer's lifetime (inductor
+        # emits a graph's last pointwise kernel lazily, and freed its inputs early when the
+        # count came just before the output).
+        first = next(node for node in graph_module.graph.nodes if node.op != "placeholder")
+        with graph_module.graph.inserting_before(first):
+            graph_module.graph.call_function(_count_op(), (to_host, len(copies), nbytes))
+        graph_module.recompile()
+    return len(copies), nbytes
+
+
+def count_graph_copies(
+    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None
+) -> tuple[int, int]:
+    """Put the count ops into a matepoint graph's forward and backward, after torch's copies.
+
+    Returns:
+        The forward's copies to the host: how many, and their bytes (per run).
+    """
+    counted = _count(forward, OFFLOAD_PREFIX, to_host=True)
+    if backward is not None:
+        _count(backward, RELOAD_PREFIX, to_host=False)
+    return counted
