@@ -7,6 +7,7 @@ with ``--run-slow``, which keeps the default run of ``nox -s tests`` a few minut
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -65,5 +66,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _freeze_what_outlives_a_test() -> Iterator[None]:
     """Freeze the objects alive after each test; see Note [Freeze what outlives a test]."""
     yield
+    if getattr(sys, "last_value", None) is not None:
+        # The test failed: pytest keeps its traceback (sys.last_traceback) until the next test
+        # runs, and with it the test's frames. Frozen, a cycle through them would outlive that.
+        return
     gc.collect()  # so that no garbage cycle is frozen, never to be collected
     gc.freeze()

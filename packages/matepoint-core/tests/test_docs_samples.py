@@ -246,14 +246,17 @@ def _line_pattern(sample_line: str) -> re.Pattern[str]:
 def sample_mismatch(sample: str, printed: str) -> str | None:
     """None if ``printed`` matches the ``sample``, else a unified diff that shows where not."""
     want, got = _normalize(sample), _normalize(printed)
-    # A printed line that matches its sample line (placeholders, timings) shows as the sample's,
-    # so the diff points at the lines that really differ.
-    shown = [
-        expected if _line_pattern(expected).fullmatch(actual) else actual
-        for expected, actual in zip(want, got, strict=False)
-    ] + got[len(want) :]
-    if shown == want:
+    if len(want) == len(got) and all(
+        _line_pattern(expected).fullmatch(actual)
+        for expected, actual in zip(want, got, strict=True)
+    ):
         return None
+    # A printed line that a sample line matches (placeholders, timings) shows as that sample
+    # line, so that the diff points at the lines that really differ.
+    shown = [
+        next((expected for expected in want if _line_pattern(expected).fullmatch(actual)), actual)
+        for actual in got
+    ]
     return "\n".join(
         difflib.unified_diff(want, shown, "docs sample", "printed now", lineterm="", n=2)
     )
@@ -314,13 +317,27 @@ def _page_environment(page: str) -> Iterator[None]:
     vars(matepoint).pop("NOPIPELINE", None)
 
 
+@contextlib.contextmanager
+def _cleared(namespace: dict[str, Any]) -> Iterator[None]:
+    """Empty the page's namespace at the end, also when a block fails.
+
+    A failed test's traceback outlives it (pytest keeps it for post-mortem debugging), and with
+    it this frame: a model and the autograd graph of its last step, offload records included,
+    would stay alive into the next tests.
+    """
+    try:
+        yield
+    finally:
+        namespace.clear()
+
+
 def run_page(page: str, text: str, *, run_slow: bool) -> list[str]:
     """Run a page's blocks in order; return the blocks skipped as slow."""
     blocks = parse_blocks(text, page)
     samples = output_samples(blocks)
     namespace: dict[str, Any] = {"__name__": "__docs__"}
     skipped = []
-    with _page_environment(page):
+    with _page_environment(page), _cleared(namespace):
         if page in PAGE_SETUP:
             exec(compile(PAGE_SETUP[page], f"<setup of {page}>", "exec"), namespace)
         for index, block in enumerate(blocks):
