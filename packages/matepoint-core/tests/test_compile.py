@@ -306,6 +306,7 @@ def marked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
+@pytest.mark.slow
 @needs_compiled_offload
 @_INDUCTOR_IMPORT
 def test_gradients_equal_torch_checkpoint_under_inductor_on_cpu(
@@ -324,6 +325,7 @@ def test_gradients_equal_torch_checkpoint_under_inductor_on_cpu(
     assert len(marked) >= DEPTH + 2
 
 
+@pytest.mark.slow
 @needs_compiled_offload
 @_INDUCTOR_IMPORT
 def test_compile_cache_keeps_graphs_apart_by_matepoint_choices(
@@ -350,6 +352,7 @@ def test_compile_cache_keeps_graphs_apart_by_matepoint_choices(
         assert compile_with(0) == (False, 1)
 
 
+@pytest.mark.slow
 @needs_compiled_offload
 @_INDUCTOR_IMPORT
 def test_pipelined_graphs_stay_out_of_the_cache_where_torch_cannot_load_their_streams(
@@ -380,6 +383,7 @@ def test_pipelined_graphs_stay_out_of_the_cache_where_torch_cannot_load_their_st
         assert second[2] >= 1
 
 
+@pytest.mark.slow
 @needs_compiled_offload
 @_INDUCTOR_IMPORT
 def test_inductor_keeps_the_order_of_matepoints_graphs_and_reorders_others(
@@ -772,6 +776,7 @@ print(json.dumps({"offloads": offloads, "equal": got == expected}))
 """
 
 
+@pytest.mark.slow
 @needs_compiled_offload
 @pytest.mark.parametrize("form", ["pipeline", "min_offload_bytes"])
 def test_calls_with_different_choices_compile_fullgraph_in_a_fresh_process(
