@@ -7,6 +7,11 @@ from torch 2.9) that save only their inputs, outputs and a few statistics. A pla
 meta paths would overstate a transformer's activations several times over, so while planning
 these two calls are replaced by autograd functions that allocate and save exactly what the CUDA
 kernels allocate and save, and count their FLOPs.
+
+The attention stand-in's forward is one operator of its own (``matepoint_plan::
+scaled_dot_product_attention``) rather than bare allocations, so that a selective-checkpoint
+policy sees it as attention, as it sees CUDA's fused kernels (a budget plan may keep or offload
+its outputs), and its FLOPs are counted only when it runs, not when a policy serves it cached.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import register_flop_formula
 
 import matepoint_compat as compat
 from matepoint._plan_trace import MemoryTracker
@@ -23,6 +29,31 @@ from matepoint._plan_trace import MemoryTracker
 __all__ = ["CudaKernels"]
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@torch.library.custom_op("matepoint_plan::scaled_dot_product_attention", mutates_args=())
+def _attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, flops: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and log-sum-exp of a fused attention kernel; planned on meta tensors only."""
+    raise RuntimeError("matepoint's planning attention runs on meta tensors only")
+
+
+@_attention_op.register_fake
+def _attention_outputs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, flops: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, seq_q, _ = query.shape
+    # The kernels write (batch, seq, heads, dim) and return it transposed, so the usual
+    # ``out.transpose(1, 2).reshape(b, t, d)`` afterwards is a view, not a copy.
+    out = query.new_empty((batch, seq_q, heads, value.shape[-1])).transpose(1, 2)
+    return out, query.new_empty((batch, heads, seq_q), dtype=torch.float32)
+
+
+@register_flop_formula(torch.ops.matepoint_plan.scaled_dot_product_attention)
+def _attention_op_flops(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    flops: int = args[3] if len(args) > 3 else kwargs["flops"]
+    return flops
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -42,17 +73,14 @@ class _Attention(torch.autograd.Function):
         mask: torch.Tensor | None,
         flops: int,
     ) -> torch.Tensor:
-        batch, heads, seq_q, _ = query.shape
-        # The kernels write (batch, seq, heads, dim) and return it transposed, so the usual
-        # ``out.transpose(1, 2).reshape(b, t, d)`` afterwards is a view, not a copy.
-        out = query.new_empty((batch, seq_q, heads, value.shape[-1])).transpose(1, 2)
-        logsumexp = query.new_empty((batch, heads, seq_q), dtype=torch.float32)
+        out, logsumexp = torch.ops.matepoint_plan.scaled_dot_product_attention(
+            query, key, value, flops
+        )
         saved = (query, key, value, out, logsumexp) + ((mask,) if mask is not None else ())
         ctx.save_for_backward(*saved)
         ctx.tracker = tracker
         ctx.flops = flops
         ctx.flash = query.dtype in _FLASH_DTYPES
-        tracker.add_flops(flops)
         return out
 
     @staticmethod
