@@ -54,3 +54,21 @@ def test_prefetch_now_without_offloads_does_nothing() -> None:
     before = matepoint.stats().prefetches
     matepoint.prefetch_now()
     assert matepoint.stats().prefetches == before
+
+
+def test_stats_add_the_compiled_graphs_copies_and_reset_clears_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiled path's copies (Note [Counting compiled copies]) are offloads and fetches."""
+    import matepoint_compat as compat
+
+    traffic = compat.CompiledTrafficCounts(
+        offloads=3, bytes_offloaded=3072, fetches=2, bytes_fetched=2048
+    )
+    monkeypatch.setattr(compat, "COMPILED_TRAFFIC", traffic)
+    stats = matepoint.stats()
+    assert (stats.offloads, stats.bytes_offloaded) == (3, 3072)
+    assert (stats.fetches, stats.bytes_fetched) == (2, 2048)
+    assert "3 tensors, 3.00 KiB" in matepoint.report()
+    matepoint.reset_stats()
+    assert traffic == compat.CompiledTrafficCounts()
