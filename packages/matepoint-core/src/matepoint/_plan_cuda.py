@@ -73,9 +73,7 @@ class _Attention(torch.autograd.Function):
         mask: torch.Tensor | None,
         flops: int,
     ) -> torch.Tensor:
-        out, logsumexp = torch.ops.matepoint_plan.scaled_dot_product_attention(
-            query, key, value, flops
-        )
+        out, logsumexp = _attention_op(query, key, value, flops)
         saved = (query, key, value, out, logsumexp) + ((mask,) if mask is not None else ())
         ctx.save_for_backward(*saved)
         ctx.tracker = tracker
