@@ -73,7 +73,8 @@ class _Attention(torch.autograd.Function):
         mask: torch.Tensor | None,
         flops: int,
     ) -> torch.Tensor:
-        out, logsumexp = _attention_op(query, key, value, flops)
+        outputs: tuple[torch.Tensor, torch.Tensor] = _attention_op(query, key, value, flops)
+        out, logsumexp = outputs
         saved = (query, key, value, out, logsumexp) + ((mask,) if mask is not None else ())
         ctx.save_for_backward(*saved)
         ctx.tracker = tracker
