@@ -125,3 +125,25 @@ def test_help_gives_the_shape_defaults(capsys: pytest.CaptureFixture[str]) -> No
     for flag, value in (("depth", 12), ("width", 768), ("batch", 8), ("seq", 2048)):
         assert re.search(rf"--{flag} \S+ [^-]*\(default: the model's; gpt12: {value}\)", text), flag
     assert "deep96 deep latent stack, 96 blocks, width 1536" in text
+
+
+TINY_LLAMA = ["--model", "llama8", "--depth", "2", "--width", "256", "--heads", "4"]
+TINY_LLAMA += ["--seq", "512", "--min-offload", "0"]
+
+
+def test_budget_in_units_shows_the_fastest_step_within_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "plan.json"
+    assert plan_cli.main([*TINY_LLAMA, "--budget", "2GiB", "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "matepoint budget plan: 2.00 GiB device budget, fits" in printed
+    budget_plan = json.loads(out_json.read_text())["budget_plan"]
+    assert budget_plan["budget_bytes"] == 2 << 30
+    assert budget_plan["peak_bytes"] <= budget_plan["budget_bytes"]
+    assert "keep" in budget_plan["decisions"].values()
+    assert budget_plan["step_seconds"] < budget_plan["every_block_seconds"]
+    assert plan_cli.main([*TINY_LLAMA, "--budget", "1MiB"]) == 0
+    assert "does NOT fit" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plan_cli.main([*TINY_LLAMA, "--budget", "lots"])

@@ -16,6 +16,8 @@ from matepoint_examples.models import (
     DeepLatentConfig,
     DeepLatentStack,
     GPTConfig,
+    LlamaConfig,
+    LlamaStack,
     NanoGPT,
     no_checkpoint,
 )
@@ -31,7 +33,8 @@ class Workload:
 
     Args:
         name: Registry key, e.g. ``"deep96"``.
-        kind: ``"latent"`` for a :class:`DeepLatentStack`, ``"gpt"`` for a :class:`NanoGPT`.
+        kind: ``"latent"`` for a :class:`DeepLatentStack`, ``"gpt"`` for a :class:`NanoGPT`,
+            ``"llama"`` for a :class:`LlamaStack` (SwiGLU width ``3.5 * width``).
         depth: Number of checkpointed blocks.
         width: Model dimension.
         heads: Attention heads. A GPT's is ``width // head_dim``, checked (see
@@ -52,7 +55,7 @@ class Workload:
     """
 
     name: str
-    kind: Literal["latent", "gpt"]
+    kind: Literal["latent", "gpt", "llama"]
     depth: int
     width: int
     heads: int
@@ -91,6 +94,12 @@ class Workload:
                 f"{self.head_dim}, batch {self.batch}, seq {self.tokens}, vocab "
                 f"{self.vocab_size}, {self.dtype}"
             )
+        elif self.kind == "llama":
+            text = (
+                f"Llama-style stack, {self.depth} blocks, width {self.width}, SwiGLU "
+                f"{self.ffn_width()}, {self.heads} heads, {self.batch}x{self.tokens} tokens, "
+                f"{self.dtype}"
+            )
         else:
             text = (
                 f"deep latent stack, {self.depth} blocks, width {self.width}, {self.heads} "
@@ -103,6 +112,10 @@ class Workload:
         """Return the number of parameters of this shape's model, built on the meta device."""
         built = build(self, no_checkpoint, torch.device("meta"))
         return sum(p.numel() for p in built.model.parameters())
+
+    def ffn_width(self) -> int:
+        """Return a Llama stack's SwiGLU width: ``3.5 * width`` (Llama 3 8B's 14336 for 4096)."""
+        return 7 * self.width // 2
 
     def torch_dtype(self) -> torch.dtype:
         """Return the ``torch.dtype`` for :attr:`dtype`."""
@@ -163,6 +176,9 @@ WORKLOADS: dict[str, Workload] = {
         Workload("gpt12", "gpt", 12, 768, 6, 8, 2048, "bf16"),
         Workload("nanochat12", "gpt", 12, 768, 6, 8, 2048, "bf16", x0_mixing=True,
                  note="x0 is an input of every checkpoint"),
+        Workload("llama8", "llama", 8, 4096, 32, 1, 8192, "bf16",
+                 note="the memory-budget workload"),
+        Workload("llama16", "llama", 16, 2048, 16, 2, 4096, "bf16"),
         Workload("cpu-small", "latent", 8, 128, 4, 2, 256, "fp32",
                  note="the CPU run without a GPU"),
     )
@@ -236,6 +252,20 @@ def build(
         gpt.to(dtype=dtype)
         idx, targets = gpt.example_batch(workload.batch, device)
         return Built(gpt, lambda: gpt(idx, targets), list(gpt.blocks))
+    if workload.kind == "llama":
+        config = LlamaConfig(
+            depth=workload.depth,
+            width=workload.width,
+            ffn_width=workload.ffn_width(),
+            heads=workload.heads,
+            seq_len=workload.tokens,
+        )
+        with torch.device(device):
+            llama = LlamaStack(config, checkpoint_fn=checkpoint_fn)
+            x = torch.randn(workload.batch, workload.tokens, workload.width)
+        llama.to(dtype=dtype)
+        x = x.to(dtype)
+        return Built(llama, lambda: llama(x).float().square().mean(), list(llama.blocks))
     lcfg = DeepLatentConfig(
         depth=workload.depth,
         width=workload.width,

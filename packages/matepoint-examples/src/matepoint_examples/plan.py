@@ -184,7 +184,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stash", type=float, help="stash_bytes, in MiB (default: matepoint's)")
     p.add_argument("--prefetch", type=int, help="prefetch depth (default: matepoint's)")
     p.add_argument("--min-offload", type=float, help="min_offload_bytes, in MiB")
-    p.add_argument("--budget", type=float, help="device memory budget in GiB: propose options")
+    p.add_argument(
+        "--budget",
+        type=_bytes,
+        help="device memory budget (e.g. 24GiB, 500MiB; a bare number is GiB): the fastest "
+        "step within it (keep, offload or recompute per kind of op) and offload options that fit",
+    )
+    p.add_argument(
+        "--host-budget", type=_bytes, help="pinned host RAM per node for --budget (e.g. 256GiB)"
+    )
+    p.add_argument(
+        "--ranks-per-node", type=int, default=1, help="processes per node sharing its host RAM"
+    )
     p.add_argument("--bandwidth", type=float, default=55.0, help="link GB/s each way (default: 55)")
     p.add_argument(
         "--peak-tflops", type=float, default=989.0, help="compute TFLOP/s (default: 989)"
@@ -192,6 +203,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write the report as JSON here")
     p.add_argument("--plot", type=Path, help="write the memory timeline PNG here")
     return p
+
+
+_UNITS = {"": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def _bytes(text: str) -> int:
+    """Parse ``24GiB``, ``512MiB`` or a bare number of GiB into bytes."""
+    stripped = text.strip().lower().replace(" ", "")
+    number = stripped.rstrip("kmgtib")
+    unit = stripped[len(number) :]
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes as e.g. 24GiB, 512MiB or 24")
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number of bytes") from None
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -277,10 +304,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "planning_seconds": seconds,
         "plan": memory_plan.to_dict(),
     }
-    budget = None if args.budget is None else int(args.budget * _GIB)
+    budget: int | None = args.budget
     if budget is not None:
+        fastest = memory_plan.fastest_under(
+            budget, host_budget_bytes=args.host_budget, ranks_per_node=args.ranks_per_node
+        )
+        console.print(str(fastest), highlight=False)
+        report["budget_plan"] = {
+            "budget_bytes": fastest.budget_bytes,
+            "fits": fastest.fits,
+            "decisions": dict(fastest.decisions),
+            "prefetch": fastest.prefetch,
+            "peak_bytes": fastest.peak_bytes,
+            "pinned_bytes_per_node": fastest.pinned_bytes_per_node,
+            "step_seconds": fastest.step_seconds,
+            "every_block_seconds": fastest.every_block_seconds,
+            "smallest_budget_bytes": fastest.smallest_budget_bytes,
+        }
         recommendation = memory_plan.recommend(budget)
-        console.print(f"[bold]budget {args.budget:g} GiB[/]: {recommendation}")
+        console.print(f"[bold]budget {budget / _GIB:g} GiB[/]: {recommendation}")
         report["recommendation"] = {
             "fits": recommendation.fits,
             "options": None
