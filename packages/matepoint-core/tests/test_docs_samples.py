@@ -32,7 +32,9 @@ import difflib
 import doctest
 import io
 import re
+import sys
 import textwrap
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -317,27 +319,34 @@ def _page_environment(page: str) -> Iterator[None]:
     vars(matepoint).pop("NOPIPELINE", None)
 
 
-@contextlib.contextmanager
-def _cleared(namespace: dict[str, Any]) -> Iterator[None]:
-    """Empty the page's namespace at the end, also when a block fails.
+PAGE_MODULE = "matepoint_docs_page"
 
-    A failed test's traceback outlives it (pytest keeps it for post-mortem debugging), and with
-    it this frame: a model and the autograd graph of its last step, offload records included,
-    would stay alive into the next tests.
+
+@contextlib.contextmanager
+def _page_module() -> Iterator[dict[str, Any]]:
+    """A module for the page's blocks to run in, importable by name while they run.
+
+    Like a script's ``__main__``: classes and functions a block defines belong to a module that
+    ``sys.modules`` knows (Dynamo imports the module of the code it traces). At the end the
+    namespace is emptied, also when a block fails: a failed test's traceback outlives it (pytest
+    keeps it for post-mortem debugging), and with it a model and the autograd graph of its last
+    step, offload records included, would stay alive into the next tests.
     """
+    module = types.ModuleType(PAGE_MODULE)
+    sys.modules[PAGE_MODULE] = module
     try:
-        yield
+        yield module.__dict__
     finally:
-        namespace.clear()
+        del sys.modules[PAGE_MODULE]
+        module.__dict__.clear()
 
 
 def run_page(page: str, text: str, *, run_slow: bool) -> list[str]:
     """Run a page's blocks in order; return the blocks skipped as slow."""
     blocks = parse_blocks(text, page)
     samples = output_samples(blocks)
-    namespace: dict[str, Any] = {"__name__": "__docs__"}
     skipped = []
-    with _page_environment(page), _cleared(namespace):
+    with _page_environment(page), _page_module() as namespace:
         if page in PAGE_SETUP:
             exec(compile(PAGE_SETUP[page], f"<setup of {page}>", "exec"), namespace)
         for index, block in enumerate(blocks):
