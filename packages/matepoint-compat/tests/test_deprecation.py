@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 
+import matepoint_compat
 from matepoint_compat._deprecation import (
     DEFAULT_REMOVAL,
     DEFAULT_SINCE,
@@ -74,3 +75,32 @@ def test_can_be_turned_into_an_error() -> None:
         warnings.simplefilter("error", MatepointDeprecationWarning)
         with pytest.raises(MatepointDeprecationWarning, match="old_api"):
             _deprecated_api()
+
+
+@pytest.mark.skipif(
+    not matepoint_compat.COMPILED_OFFLOAD,
+    reason="matepoint has no compiled path on this torch (Dynamo graph-breaks at its checkpoint)",
+)
+def test_under_torch_compile_the_warning_is_given_at_trace_time_at_the_callers_line() -> None:
+    """Dynamo cannot trace the warning's construction (a fullgraph compile failed); see Note
+    [Deprecation warnings under torch.compile]."""
+    import inspect
+
+    import torch
+
+    def compiled(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            _deprecated_api()  # the line the warning names, once per line by default
+        return x + 1
+
+    line = inspect.getsourcelines(compiled)[1] + 2
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        out = torch.compile(compiled, backend="eager", fullgraph=True)(torch.zeros(2))
+        torch.compile(compiled, backend="eager", fullgraph=True)(torch.zeros(2))  # no retrace
+    torch._dynamo.reset()
+    assert out.tolist() == [1.0, 1.0]
+    ours = [w for w in caught if issubclass(w.category, MatepointDeprecationWarning)]
+    assert [(w.filename, w.lineno) for w in ours] == [(__file__, line)]
+    assert "`old_api` is deprecated" in str(ours[0].message)

@@ -9,7 +9,8 @@ Note [Counting compiled copies]
     ``matepoint.stats()`` adds these counts to its offloads and fetches. The bytes are the
     traced sizes (with dynamic shapes, those of the example the graph was traced with), counted
     when the graph starts (a graph that raises midway has counted its copies). A graph served
-    by a compile cache carries its count op with it.
+    by a compile cache carries its count op with it. A CUDA graph replay (``mode=
+    "reduce-overhead"``) runs kernels only, so its runs are not counted.
 """
 
 from __future__ import annotations
