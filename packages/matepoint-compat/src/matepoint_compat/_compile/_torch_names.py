@@ -91,6 +91,7 @@ def _has_compiled_offload() -> bool:
         and all(hasattr(config, name) for name in COMPILE_SETTINGS)
         and importlib.util.find_spec("torch._functorch._activation_offloading") is not None
         and hasattr(torch._dynamo, "assume_constant_result")
+        and importlib.util.find_spec("torch._dynamo.callback") is not None
     )
 
 
@@ -138,8 +139,8 @@ def run_at_trace_time(function: _F) -> _F:
 def traced_user_stack() -> traceback.StackSummary:
     """The Python frames Dynamo is tracing now, outermost first (empty outside a trace).
 
-    ``torch._guards.TracingContext.extract_stack`` (every supported release; can go when Dynamo
-    attributes a warning raised while tracing to the traced line itself).
+    ``torch._guards.TracingContext.extract_stack`` (used under gate ``COMPILED_OFFLOAD``; can
+    go when Dynamo attributes a warning raised while tracing to the traced line itself).
     """
     from torch._guards import TracingContext
 
@@ -171,9 +172,9 @@ def on_compile_end(callback: Callable[[], None]) -> None:
 
 
 def annotate(annotation: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
-    """``torch.fx.traceback.annotate`` (gate ``COMPILED_OFFLOAD``; public API from 2.11 on, in a
-    private module): copies a dict into ``node.meta["custom"]`` of every node traced inside it,
-    through Dynamo and AOTAutograd."""
+    """``torch.fx.traceback.annotate``: copies a dict into ``node.meta["custom"]`` of every node
+    traced inside it, through Dynamo and AOTAutograd. Not private, but only from torch 2.11 on
+    (gate ``COMPILED_OFFLOAD``); here with the meta key it writes."""
     annotate_: Callable[[dict[str, Any]], contextlib.AbstractContextManager[None]]
     annotate_ = torch.fx.traceback.annotate
     return annotate_(annotation)
