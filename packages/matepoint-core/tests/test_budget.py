@@ -17,9 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import matepoint
-from matepoint._budget import step_seconds
+from matepoint._budget import OFFLOAD_AVAILABLE, step_seconds
 from matepoint._budget_profile import DeviceModel, op_kind
 from matepoint.testing import CPUTestTransport, use_transport
+
+needs_offload_values = pytest.mark.skipif(
+    not OFFLOAD_AVAILABLE, reason="torch has no selective-checkpoint offload values before 2.11"
+)
 
 WIDTH, HIDDEN, TOKENS, BLOCKS = 64, 256, 128, 4
 
@@ -122,6 +126,7 @@ def test_a_slow_link_never_offloads() -> None:
     assert budget.strategy_plan.bytes_to_host == memory_plan["matepoint"].bytes_to_host
 
 
+@needs_offload_values
 def test_offloading_is_chosen_when_the_link_is_free_and_keeping_does_not_fit() -> None:
     memory_plan = _plan()
     every_block = memory_plan["matepoint"].peak_bytes
@@ -160,6 +165,7 @@ def test_the_step_time_hides_copies_under_compute_and_counts_the_rest() -> None:
     assert step_seconds(plan(10, 20, 5, 15), device, prefetch=0) == 45
 
 
+@needs_offload_values
 def test_the_chosen_plan_runs_for_real_with_torchs_gradients_and_the_planned_traffic(
     fresh_stats: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,7 +17,8 @@ Note [The budget search]
     faster (the link's time beyond the compute it overlaps counts against it), else recomputed.
     When an offload does not fit with the look-ahead in force, fewer records fetched ahead
     (``prefetch`` 1) are tried. A step is planned per try: one profile, then at most a few per
-    kind.
+    kind. Before torch 2.11, whose selective checkpointing has no offload values, a plan keeps
+    or recomputes only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Literal
 
 import torch.utils.checkpoint as torch_checkpoint
 
+import matepoint_compat as compat
 from matepoint._budget_profile import DeviceModel, OpCall, RegionProfiler, op_kind
 from matepoint._options import OffloadSettings
 from matepoint._plan_step import StrategyPlan
@@ -95,9 +97,13 @@ def step_seconds(strategy_plan: StrategyPlan, device: DeviceModel, prefetch: int
 
 _POLICY_VALUES = {
     "keep": torch_checkpoint.CheckpointPolicy.MUST_SAVE,
-    "offload": torch_checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD,
     "recompute": torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE,
 }
+# Torch's offload values (2.11 on; gate SELECTIVE_OFFLOAD_POLICIES): without them a plan only
+# keeps or recomputes.
+OFFLOAD_AVAILABLE = bool(compat.SELECTIVE_OFFLOAD_POLICIES)
+if OFFLOAD_AVAILABLE:
+    _POLICY_VALUES["offload"] = torch_checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
 
 
 def _policy(decisions: tuple[tuple[str, Decision], ...]) -> Callable[..., Any]:
@@ -245,7 +251,7 @@ def fastest_under(
         for kind in kinds:
             attempts: tuple[tuple[Decision, tuple[OffloadSettings, ...]], ...] = (
                 ("keep", (best[1],)),
-                ("offload", _lookaheads(best[1])),
+                ("offload", _lookaheads(best[1]) if OFFLOAD_AVAILABLE else ()),
             )
             for decision, candidates in attempts:
                 trial: tuple[tuple[str, Decision], ...] = tuple(
