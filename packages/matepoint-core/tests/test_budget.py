@@ -17,9 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import matepoint
-from matepoint._budget import OFFLOAD_AVAILABLE, step_seconds
+from matepoint._budget import AVAILABLE, OFFLOAD_AVAILABLE, step_seconds
 from matepoint._budget_profile import DeviceModel, op_kind
 from matepoint.testing import CPUTestTransport, use_transport
+
+if not AVAILABLE:
+    pytest.skip("budget plans need torch's selective checkpointing (2.5)", allow_module_level=True)
 
 needs_offload_values = pytest.mark.skipif(
     not OFFLOAD_AVAILABLE, reason="torch has no selective-checkpoint offload values before 2.11"

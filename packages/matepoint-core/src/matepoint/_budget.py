@@ -28,6 +28,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint_compat as compat
@@ -95,13 +96,15 @@ def step_seconds(strategy_plan: StrategyPlan, device: DeviceModel, prefetch: int
     return forward + backward + max(0.0, to_host - forward) + max(0.0, to_device - hidden_back)
 
 
-_POLICY_VALUES = {
-    "keep": torch_checkpoint.CheckpointPolicy.MUST_SAVE,
-    "recompute": torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE,
-}
-# Torch's offload values (2.11 on; gate SELECTIVE_OFFLOAD_POLICIES): without them a plan only
-# keeps or recomputes.
+# Torch's selective checkpointing (CheckpointPolicy, create_selective_checkpoint_contexts) came
+# with 2.5, its offload values with 2.11 (gate SELECTIVE_OFFLOAD_POLICIES): before 2.11 a plan
+# keeps or recomputes only; before 2.5 there is no budget plan.
+AVAILABLE = compat.TORCH_2_5_PLUS
 OFFLOAD_AVAILABLE = bool(compat.SELECTIVE_OFFLOAD_POLICIES)
+_POLICY_VALUES: dict[str, Any] = {}
+if AVAILABLE:
+    _POLICY_VALUES["keep"] = torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    _POLICY_VALUES["recompute"] = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 if OFFLOAD_AVAILABLE:
     _POLICY_VALUES["offload"] = torch_checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
 
@@ -224,6 +227,11 @@ def fastest_under(
     Returns:
         The plan.
     """
+    if not AVAILABLE:
+        raise RuntimeError(
+            "a budget plan chooses through torch's selective checkpointing, which torch "
+            f"{torch.__version__} lacks: it needs torch 2.5 or newer"
+        )
     device = device if device is not None else DeviceModel()
     if ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")

@@ -31,7 +31,13 @@ __all__ = ["CudaKernels"]
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-@torch.library.custom_op("matepoint_plan::scaled_dot_product_attention", mutates_args=())
+# The schema is spelled out: this module's annotations are strings, which torch 2.4 cannot infer
+# a schema from.
+@torch.library.custom_op(
+    "matepoint_plan::scaled_dot_product_attention",
+    mutates_args=(),
+    schema="(Tensor query, Tensor key, Tensor value, int flops) -> (Tensor, Tensor)",
+)
 def _attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, flops: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

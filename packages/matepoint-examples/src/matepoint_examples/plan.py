@@ -305,10 +305,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "plan": memory_plan.to_dict(),
     }
     budget: int | None = args.budget
+    fastest: matepoint.BudgetPlan | None = None
     if budget is not None:
-        fastest = memory_plan.fastest_under(
-            budget, host_budget_bytes=args.host_budget, ranks_per_node=args.ranks_per_node
-        )
+        try:
+            fastest = memory_plan.fastest_under(
+                budget, host_budget_bytes=args.host_budget, ranks_per_node=args.ranks_per_node
+            )
+        except RuntimeError as error:  # torch without selective checkpointing (before 2.5)
+            console.print(f"[dim]no fastest-step plan: {error}[/]", highlight=False)
+    if budget is not None and fastest is not None:
         console.print(str(fastest), highlight=False)
         report["budget_plan"] = {
             "budget_bytes": fastest.budget_bytes,
@@ -321,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "every_block_seconds": fastest.every_block_seconds,
             "smallest_budget_bytes": fastest.smallest_budget_bytes,
         }
+    if budget is not None:
         recommendation = memory_plan.recommend(budget)
         console.print(f"[bold]budget {budget / _GIB:g} GiB[/]: {recommendation}")
         report["recommendation"] = {

@@ -8,6 +8,11 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from matepoint_examples.bench import budget
 
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch_checkpoint, "CheckpointPolicy"),
+    reason="torch's selective checkpointing arrived in 2.5",
+)
+
 
 def test_the_selective_peers_save_exactly_their_kinds() -> None:
     policy = budget.selective_policy(frozenset({"attention", "matmul 64x128"}))
