@@ -1,4 +1,4 @@
-"""Tests for matepoint_compat._legacy: the 0.1.x keyword arguments of ``checkpoint``."""
+"""Tests for the 0.1.x keyword arguments of ``checkpoint`` (``matepoint_compat._deprecation``)."""
 
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ import torch
 import torch.utils.checkpoint
 
 import matepoint
-from matepoint import _legacy
 from matepoint.testing import CPUTestTransport, use_transport
+from matepoint_compat._deprecation import LEGACY_CONTEXT_LIST
 
 COMPLETION_MODES = ("deferred", "on_query", "immediate")
 OFFLOAD_MODES = ("default", "forced")
@@ -70,7 +70,7 @@ def matepoint_reset() -> Iterator[None]:
     matepoint.reset_stats()
     yield
     vars(matepoint).pop("NOPIPELINE", None)
-    _legacy._GMATEPOINT_CTX.clear()
+    LEGACY_CONTEXT_LIST.clear()
     if matepoint.get_options() != defaults:
         matepoint.configure(
             **{name: getattr(defaults, name) for name in defaults.__dataclass_fields__}

@@ -13,8 +13,8 @@ from types import ModuleType
 import pytest
 
 import matepoint
-from matepoint import _legacy
-from matepoint_compat import MatepointDeprecationWarning
+from matepoint_compat import MatepointDeprecationWarning, legacy_pipeline_disabled
+from matepoint_compat._deprecation import LEGACY_CONTEXT_LIST
 
 # Line 3 imports the module the first time: the warning must name that line of this script.
 _SCRIPT = textwrap.dedent(
@@ -57,9 +57,11 @@ def test_legacy_globals_are_the_packages_and_warn() -> None:
     module = _legacy_path()
     with pytest.warns(MatepointDeprecationWarning, match=r"`matepoint\.matepoint\.Gmatepoint_ctx`"):
         ctx = module.Gmatepoint_ctx
-    assert ctx is _legacy._GMATEPOINT_CTX
+    assert ctx is LEGACY_CONTEXT_LIST
     with pytest.warns(MatepointDeprecationWarning, match="prefetch_now"):
-        assert module.matepoint_pipeline is _legacy.matepoint_pipeline
+        stand_in = matepoint.matepoint_pipeline  # type: ignore[attr-defined]
+    with pytest.warns(MatepointDeprecationWarning, match="prefetch_now"):
+        assert module.matepoint_pipeline is stand_in
     with pytest.warns(MatepointDeprecationWarning):
         assert module.Gmatepoint_stream is None
     with pytest.raises(AttributeError, match="no attribute 'checkpoint_function'"):
@@ -69,12 +71,12 @@ def test_legacy_globals_are_the_packages_and_warn() -> None:
 def test_setting_nopipeline_on_the_legacy_path_turns_pipelining_off() -> None:
     # 0.1.x read this module's NOPIPELINE; 0.2 reads the package's, so the setting moves there.
     module = _legacy_path()
-    assert not _legacy.pipeline_disabled()
+    assert not legacy_pipeline_disabled()
     with pytest.warns(MatepointDeprecationWarning, match=r"`matepoint\.matepoint\.NOPIPELINE`"):
         module.NOPIPELINE = True
-    assert _legacy.pipeline_disabled()
+    assert legacy_pipeline_disabled()
     assert vars(matepoint)["NOPIPELINE"] is True
     with pytest.warns(MatepointDeprecationWarning):
         assert module.NOPIPELINE is True
     del module.NOPIPELINE
-    assert not _legacy.pipeline_disabled()
+    assert not legacy_pipeline_disabled()

@@ -19,7 +19,6 @@ from matepoint_compat._checkpoint import *
 from matepoint_compat._compile import *
 from matepoint_compat._deprecation import *
 from matepoint_compat._hooks import *
-from matepoint_compat._legacy import *
 from matepoint_compat._planning import *
 from matepoint_compat._pytree import *
 from matepoint_compat._selective import *

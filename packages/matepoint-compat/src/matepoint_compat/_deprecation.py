@@ -1,14 +1,28 @@
-"""The one warning class matepoint deprecates things with, and the helper that raises it.
+"""Every deprecation of matepoint, in one place: the warning, and the 0.1.x surface it covers.
 
 Every deprecated name, global and keyword in matepoint goes through :func:`warn_deprecated`, so a
 user can silence (or turn into errors) exactly matepoint's deprecations with one filter on
-:class:`MatepointDeprecationWarning`, and a maintainer can find every deprecation by grepping for
-the helper before a removal release.
+:class:`MatepointDeprecationWarning`. What is deprecated is all here too, so that the release
+that removes it deletes this module's sections and their calls:
+
+- the 0.1.x keyword arguments of ``checkpoint`` (``stream=``, ``matepoint_ctx=``,
+  ``check_inplace_modifications=``): :func:`pop_legacy_checkpoint_kwargs`;
+- the 0.1.x module globals of ``matepoint`` (``NOPIPELINE``, ``Gmatepoint_ctx``,
+  ``Gmatepoint_stream``, ``matepoint_pipeline``) and the 0.1.x module path
+  ``matepoint.matepoint``: :func:`install_legacy_globals`, :func:`install_legacy_path`;
+- the 0.2.0 device settings given per call (``OffloadOptions(prefetch=...)``) and the test delay
+  as a setting: :func:`warn_per_call_settings`, :func:`warn_delay_setting`.
+
+The core hands in what needs the engine (``prefetch_now``), since compat never imports it.
 """
 
 from __future__ import annotations
 
+import sys
+import types
 import warnings
+from collections.abc import Callable, Iterable
+from inspect import Parameter, signature
 from typing import Any
 
 import torch
@@ -19,7 +33,18 @@ from matepoint_compat._compile._torch_names import (
     traced_user_stack,
 )
 
-__all__ = ["MatepointDeprecationWarning", "warn_deprecated"]
+__all__ = [
+    "DELAY_SETTING",
+    "MatepointDeprecationWarning",
+    "accepts_keyword",
+    "install_legacy_globals",
+    "install_legacy_path",
+    "legacy_pipeline_disabled",
+    "pop_legacy_checkpoint_kwargs",
+    "warn_delay_setting",
+    "warn_deprecated",
+    "warn_per_call_settings",
+]
 
 DEFAULT_SINCE: str = "0.2.0"
 """The release that first warned about the 0.1.x surface."""
@@ -140,3 +165,219 @@ def _warn_while_tracing(message: str, since: str, removal: str, stacklevel: int)
     registry = _TRACE_TIME_REGISTRIES.setdefault(frame.filename, {})
     lineno = frame.lineno or 0
     warnings.warn_explicit(warning, type(warning), frame.filename, lineno, registry=registry)
+
+
+# -- 0.1.x keyword arguments of checkpoint ---------------------------------------------------
+# 0.1.x ``checkpoint`` took ``stream=`` (always overridden by its own stream), ``matepoint_ctx=``
+# (the list it pushed CPU copies onto) and ``check_inplace_modifications=`` (off by default).
+# None of them means anything to 0.2, but 0.1.x calls must keep working.
+
+# keyword -> what replaces it
+_LEGACY_KWARGS = {
+    "stream": "remove it: matepoint manages its own side stream per device",
+    "matepoint_ctx": "remove it: it is no longer needed, the offload engine tracks saved inputs",
+    "check_inplace_modifications": (
+        "remove it: matepoint always checks saved inputs for in-place modification"
+    ),
+}
+
+
+def accepts_keyword(function: Callable[..., object], name: str) -> bool:
+    """Whether ``function(**{name: ...})`` would bind: a parameter of that name, or ``**kwargs``."""
+    # A module's __call__ takes (*args, **kwargs); what it accepts is its forward's signature.
+    target = function.forward if isinstance(function, torch.nn.Module) else function
+    try:
+        parameters = signature(target).parameters
+    except (TypeError, ValueError):  # builtins and C functions without a signature
+        return False
+    parameter = parameters.get(name)
+    if parameter is not None:
+        return parameter.kind in (Parameter.POSITIONAL_OR_KEYWORD, Parameter.KEYWORD_ONLY)
+    return any(value.kind is Parameter.VAR_KEYWORD for value in parameters.values())
+
+
+def pop_legacy_checkpoint_kwargs(
+    kwargs: dict[str, object], *, function: Callable[..., object] | None = None
+) -> None:
+    """Remove the 0.1.x-only keyword arguments that ``function`` cannot take, warning for each.
+
+    torch's checkpoint passes every keyword it does not know to the function, so a function that
+    declares one of these names (or takes ``**kwargs``) gets it, as it would from torch, and no
+    warning is given. Other keys are left untouched. Each warning is attributed to the line that
+    called this function's caller: the user's ``checkpoint(...)`` line.
+
+    Args:
+        kwargs: The extra keyword arguments of a ``checkpoint`` call; modified in place.
+        function: The checkpointed function, or None when nothing receives keyword arguments
+            (``checkpoint_sequential``). Default: None.
+
+    Example:
+        >>> import warnings
+        >>> extra = {"stream": None, "preserve_rng_state": True}
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     pop_legacy_checkpoint_kwargs(extra, function=lambda x: x)
+        >>> extra
+        {'preserve_rng_state': True}
+        >>> extra = {"stream": None}
+        >>> pop_legacy_checkpoint_kwargs(extra, function=lambda x, stream: x)
+        >>> extra
+        {'stream': None}
+    """
+    for key, replacement in _LEGACY_KWARGS.items():
+        if key in kwargs and not (function is not None and accepts_keyword(function, key)):
+            del kwargs[key]
+            # 3: past this function and its caller (checkpoint), as warn_deprecated counts.
+            warn_deprecated(f"`{key}=`", replacement=replacement, stacklevel=3)
+
+
+# -- 0.1.x module globals and module path ------------------------------------------------------
+# 0.1.x exported ``Gmatepoint_ctx`` (the list every checkpoint pushed its CPU copies onto),
+# ``Gmatepoint_stream`` (0.1.0, always ``None``) and ``matepoint_pipeline(ctx, stream)``
+# (prefetch the newest entry of that list), switched pipelining off with
+# ``matepoint.NOPIPELINE = True``, and was imported as ``matepoint.matepoint``. 0.2 keeps that
+# state per device inside the engine: reading an old name warns and returns a stand-in,
+# assigning ``NOPIPELINE`` warns, and :func:`legacy_pipeline_disabled` reads it on every call.
+
+_PACKAGE = "matepoint"
+_NOPIPELINE = "pass `pipeline=False` to `matepoint.checkpoint` instead"
+# One object: 0.1.x code may hold on to the list it imported. Nothing reads or fills it.
+LEGACY_CONTEXT_LIST: list[object] = []
+# name -> (stand-in, what replaces it); matepoint_pipeline is added by install_legacy_globals.
+_NAMES: dict[str, tuple[object, str]] = {
+    "NOPIPELINE": (False, _NOPIPELINE),
+    "Gmatepoint_ctx": (
+        LEGACY_CONTEXT_LIST,
+        "nothing reads this list: the engine tracks saved inputs",
+    ),
+    "Gmatepoint_stream": (None, "matepoint manages its own side stream per device"),
+}
+
+
+def legacy_pipeline_disabled() -> bool:
+    """Whether 0.1.x code set ``matepoint.NOPIPELINE`` true; every checkpoint call asks."""
+    package = sys.modules.get(_PACKAGE)
+    return package is not None and bool(vars(package).get("NOPIPELINE", False))
+
+
+class _LegacyModule(types.ModuleType):
+    """The class of the ``matepoint`` module, only so that assigning ``NOPIPELINE`` warns."""
+
+    # Note [NOPIPELINE warns at the assignment]
+    # PEP 562 covers reading only. The assignment is the line the user has to change, and where
+    # `-W error` should stop; a warning at the next checkpoint call would repeat at every call
+    # site, and from checkpoint_sequential or the decorator land on matepoint's own lines. The
+    # value is stored as a plain global, and checkpoint reads it at call time.
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "NOPIPELINE":
+            warn_deprecated("`matepoint.NOPIPELINE`", replacement=_NOPIPELINE)
+        super().__setattr__(name, value)
+
+
+class _LegacyPathModule(types.ModuleType):
+    """The class of ``matepoint.matepoint``, so that 0.1.x's ``NOPIPELINE = x`` there works.
+
+    In 0.1.x the code read that module's global; 0.2 reads the package's, so the assignment is
+    forwarded there. See Note [NOPIPELINE warns at the assignment].
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "NOPIPELINE":
+            warn_deprecated("`matepoint.matepoint.NOPIPELINE`", replacement=_NOPIPELINE)
+            # The package's own assignment would warn a second time, at this line.
+            types.ModuleType.__setattr__(sys.modules[_PACKAGE], name, value)
+            return
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name == "NOPIPELINE":
+            vars(sys.modules[_PACKAGE]).pop(name, None)
+            return
+        super().__delattr__(name)
+
+
+def _getattr_for(qualified: str) -> Callable[[str], object]:
+    def module_getattr(name: str) -> object:
+        """A 0.1.x global's stand-in, with a warning (PEP 562)."""
+        if name not in _NAMES:
+            raise AttributeError(f"module {qualified!r} has no attribute {name!r}")
+        value, replacement = _NAMES[name]
+        # `from matepoint import X` looks X up twice (importlib's hasattr probe, then the
+        # import); warnings skips importlib's frames, so both land on the user's line and
+        # Python's default filter shows one.
+        warn_deprecated(f"`{qualified}.{name}`", replacement=replacement)
+        if name == "NOPIPELINE" and qualified != _PACKAGE:
+            return legacy_pipeline_disabled()
+        return value
+
+    return module_getattr
+
+
+def install_legacy_globals(package: types.ModuleType, prefetch_now: Callable[[], None]) -> None:
+    """Give the ``matepoint`` package its 0.1.x globals, each warning when used.
+
+    Type checkers do not see the module ``__getattr__`` set here, which would let any misspelt
+    name through.
+
+    Args:
+        package: The ``matepoint`` module.
+        prefetch_now: What 0.1.x ``matepoint_pipeline(ctx, stream)`` does now.
+    """
+
+    def matepoint_pipeline(ctx: object = None, stream: object = None) -> None:
+        """Stand-in for 0.1.x ``matepoint_pipeline(ctx, stream)``: runs ``prefetch_now``."""
+        del ctx, stream
+        prefetch_now()
+
+    _NAMES["matepoint_pipeline"] = (
+        matepoint_pipeline,
+        "call `matepoint.prefetch_now()`, or nothing: backward prefetches by itself",
+    )
+    package.__getattr__ = _getattr_for(_PACKAGE)  # type: ignore[method-assign]
+    package.__class__ = _LegacyModule
+
+
+def install_legacy_path(module: types.ModuleType, stacklevel: int) -> None:
+    """Make ``module`` the 0.1.x path ``matepoint.matepoint``: warn now, forward its globals.
+
+    Args:
+        module: The ``matepoint.matepoint`` module, while it is first imported.
+        stacklevel: The importing line, counted as :func:`warn_deprecated` counts from the
+            caller (importlib's frames are skipped by ``warnings``).
+    """
+    warn_deprecated(
+        "`matepoint.matepoint`",
+        replacement="import from `matepoint` instead (`from matepoint import checkpoint`)",
+        stacklevel=stacklevel + 1,
+    )
+    module.__getattr__ = _getattr_for(module.__name__)  # type: ignore[method-assign]
+    module.__class__ = _LegacyPathModule
+
+
+# -- 0.2.0 settings given where they no longer belong ------------------------------------------
+
+DELAY_SETTING = "side_stream_delay_cycles"
+"""The test delay's 0.2.0 setting name; it is ``matepoint.testing.delay_side_stream`` now."""
+
+
+def warn_per_call_settings(names: Iterable[str]) -> None:
+    """Warn about device settings given to ``OffloadOptions`` (0.2.0's spelling), at its caller."""
+    listed = ", ".join(f"`{name}=`" for name in sorted(names))
+    warn_deprecated(
+        f"{listed} in `matepoint.OffloadOptions`",
+        replacement=(
+            "set device settings once with `matepoint.configure(...)` or inside "
+            "`with matepoint.options(...)`; the test delay is "
+            "`matepoint.testing.delay_side_stream`, and per call it has no effect"
+        ),
+        stacklevel=3,
+    )
+
+
+def warn_delay_setting(stacklevel: int) -> None:
+    """Warn about the test delay given to ``configure``/``options``, ``stacklevel`` up."""
+    warn_deprecated(
+        f"`{DELAY_SETTING}=` in `matepoint.configure`/`matepoint.options`",
+        replacement="use `matepoint.testing.delay_side_stream(cycles)`",
+        stacklevel=stacklevel + 1,
+    )

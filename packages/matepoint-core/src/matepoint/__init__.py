@@ -7,10 +7,8 @@ stream that overlaps compute.
 """
 
 import sys
-from typing import TYPE_CHECKING
 
 import matepoint_compat as _compat
-from matepoint import _legacy
 from matepoint._budget import BudgetPlan
 from matepoint._budget_profile import DeviceModel
 from matepoint._checkpoint import checkpoint, checkpoint_sequential
@@ -56,8 +54,5 @@ __all__ = [
     "stats",
 ]
 
-# The deprecated 0.1.x globals: see matepoint/_legacy.py and its Note [NOPIPELINE warns at the
-# assignment]. Type checkers do not see __getattr__, which would let any misspelt name through.
-if not TYPE_CHECKING:
-    __getattr__ = _legacy.module_getattr
-sys.modules[__name__].__class__ = _legacy.LegacyModule
+# The deprecated 0.1.x globals (NOPIPELINE and the rest): see matepoint_compat._deprecation.
+_compat.install_legacy_globals(sys.modules[__name__], prefetch_now)

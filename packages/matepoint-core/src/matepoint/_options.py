@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from matepoint._transport import set_side_stream_delay, side_stream_delay
-from matepoint_compat import accepts_keyword, warn_deprecated
+from matepoint_compat import (
+    DELAY_SETTING,
+    accepts_keyword,
+    legacy_pipeline_disabled,
+    warn_delay_setting,
+    warn_per_call_settings,
+)
 
 __all__ = [
     "OffloadOptions",
@@ -138,7 +143,7 @@ class ResolvedOptions(OffloadSettings):
 _SETTING_FIELDS = frozenset(field.name for field in dataclasses.fields(OffloadSettings))
 _DEVICE_FIELDS = _SETTING_FIELDS - {"min_offload_bytes", "pipeline", "compiled_offload"}
 _CALL_FIELDS = frozenset({"enabled", "pipeline", "min_offload_bytes"})
-_DELAY = "side_stream_delay_cycles"
+_DELAY = DELAY_SETTING
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -214,15 +219,7 @@ class OffloadOptions:
             ResolvedOptions(**{name: value for name, value in deprecated.items() if name != _DELAY})
             if _DELAY in deprecated:
                 _check_count("OffloadOptions", _DELAY, deprecated[_DELAY])
-            names = ", ".join(f"`{name}=`" for name in sorted(deprecated))
-            warn_deprecated(
-                f"{names} in `matepoint.OffloadOptions`",
-                replacement=(
-                    "set device settings once with `matepoint.configure(...)` or inside "
-                    "`with matepoint.options(...)`; the test delay is "
-                    "`matepoint.testing.delay_side_stream`, and per call it has no effect"
-                ),
-            )
+            warn_per_call_settings(deprecated)
         carried.update(deprecated)
         object.__setattr__(self, "enabled", enabled)
         object.__setattr__(self, "pipeline", pipeline)
@@ -270,11 +267,7 @@ def _checked(fields: dict[str, Any], owner: str, stacklevel: int) -> dict[str, A
             f"valid: {', '.join(sorted(_SETTING_FIELDS))}"
         )
     if _DELAY in fields:
-        warn_deprecated(
-            f"`{_DELAY}=` in `matepoint.configure`/`matepoint.options`",
-            replacement="use `matepoint.testing.delay_side_stream(cycles)`",
-            stacklevel=stacklevel,
-        )
+        warn_delay_setting(stacklevel)
         _check_count("settings", _DELAY, fields[_DELAY])
     settings = {name: value for name, value in fields.items() if name != _DELAY}
     try:
@@ -376,12 +369,6 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
                 set_side_stream_delay(previous_delay)
 
 
-def _legacy_pipeline_disabled() -> bool:
-    """Whether 0.1.x code set ``matepoint.NOPIPELINE`` true (read on every call)."""
-    module = sys.modules.get("matepoint")
-    return module is not None and bool(vars(module).get("NOPIPELINE", False))
-
-
 def misplaced_setting_error(
     function_kwargs: dict[str, Any], function: Callable[..., object]
 ) -> TypeError | None:
@@ -451,7 +438,7 @@ def resolve(call: OffloadOptions | bool | None, pipeline: bool = True) -> Resolv
     else:
         _check_offload_argument(call)
     settings = _defaults
-    legacy_off = _legacy_pipeline_disabled()
+    legacy_off = legacy_pipeline_disabled()
     last = _last
     if (
         last is not None
