@@ -28,6 +28,11 @@ needs_offload_values = pytest.mark.skipif(
     not OFFLOAD_AVAILABLE, reason="torch has no selective-checkpoint offload values before 2.11"
 )
 
+# Compute that takes its time and a policy that costs no host time: these tiny blocks are
+# link- and launch-bound on an H200's figures, where no kind would be worth a policy (see the
+# test of that below).
+FREE_POLICY = DeviceModel(peak_flops=1e12, policy_seconds_per_op=0)
+
 WIDTH, HIDDEN, TOKENS, BLOCKS = 64, 256, 128, 4
 
 
@@ -96,7 +101,7 @@ def test_op_kinds_name_matrix_products_by_shape_and_attention() -> None:
 def test_a_roomy_budget_keeps_what_is_dear_to_recompute_and_the_step_gets_faster() -> None:
     memory_plan = _plan()
     every_block = memory_plan["matepoint"]
-    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2)
+    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=FREE_POLICY)
     assert budget.fits
     assert budget.peak_bytes <= budget.budget_bytes
     assert budget.step_seconds < budget.every_block_seconds
@@ -133,7 +138,9 @@ def test_a_slow_link_never_offloads() -> None:
 def test_offloading_is_chosen_when_the_link_is_free_and_keeping_does_not_fit() -> None:
     memory_plan = _plan()
     every_block = memory_plan["matepoint"].peak_bytes
-    free_link = DeviceModel(peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18)
+    free_link = DeviceModel(
+        peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18, policy_seconds_per_op=0
+    )
     roomy = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=free_link)
     # Between every block's peak and what keeping everything needs: offloading must carry it.
     budget = memory_plan.fastest_under((every_block + roomy.peak_bytes) // 2, device=free_link)
@@ -144,7 +151,9 @@ def test_offloading_is_chosen_when_the_link_is_free_and_keeping_does_not_fit() -
 
 def test_the_host_budget_and_ranks_per_node_limit_offloading() -> None:
     memory_plan = _plan()
-    free_link = DeviceModel(peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18)
+    free_link = DeviceModel(
+        peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18, policy_seconds_per_op=0
+    )
     every_block = memory_plan["matepoint"]
     host = every_block.pinned_bytes * 2
     budget = memory_plan.fastest_under(
@@ -166,6 +175,8 @@ def test_the_step_time_hides_copies_under_compute_and_counts_the_rest() -> None:
     assert step_seconds(plan(10, 20, 5, 15), device, prefetch=2) == 30
     assert step_seconds(plan(10, 20, 15, 25), device, prefetch=2) == 40
     assert step_seconds(plan(10, 20, 5, 15), device, prefetch=0) == 45
+    costly = dataclasses.replace(device, policy_seconds_per_op=0.5)
+    assert step_seconds(plan(10, 20, 5, 15), costly, prefetch=2, policy_ops=4) == 32
 
 
 @needs_offload_values
@@ -176,7 +187,9 @@ def test_the_chosen_plan_runs_for_real_with_torchs_gradients_and_the_planned_tra
     monkeypatch.setattr(__import__(__name__), "ATTENTION", False)
     memory_plan = _plan()
     every_block = memory_plan["matepoint"].peak_bytes
-    free_link = DeviceModel(peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18)
+    free_link = DeviceModel(
+        peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18, policy_seconds_per_op=0
+    )
     roomy = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=free_link)
     budget = memory_plan.fastest_under((every_block + roomy.peak_bytes) // 2, device=free_link)
     decisions = dict(budget.decisions)
@@ -213,7 +226,7 @@ def test_the_integrations_apply_a_budget_plan_in_one_call() -> None:
     import matepoint.integrations as mi
 
     memory_plan = _plan()
-    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2)
+    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=FREE_POLICY)
     before = matepoint.get_options()
     try:
         function = mi.matepoint_checkpoint_fn(budget_plan=budget)
@@ -223,3 +236,15 @@ def test_the_integrations_apply_a_budget_plan_in_one_call() -> None:
             mi.matepoint_checkpoint_fn(budget_plan=budget, context_fn=lambda: None)
     finally:
         matepoint.configure(**dataclasses.asdict(before))
+
+
+def test_a_policy_that_costs_more_host_time_than_it_saves_is_not_chosen() -> None:
+    memory_plan = _plan()
+    roomy = memory_plan["none"].peak_bytes * 2
+    assert dict(memory_plan.fastest_under(roomy, device=FREE_POLICY).decisions)
+    costly = DeviceModel(peak_flops=1e12, policy_seconds_per_op=1.0)
+    budget = memory_plan.fastest_under(roomy, device=costly)
+    assert budget.fits
+    assert budget.decisions == ()
+    assert budget.context_fn() is None
+    assert budget.step_seconds == budget.every_block_seconds

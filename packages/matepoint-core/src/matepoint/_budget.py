@@ -12,7 +12,10 @@ figures; only the times are estimates.
 
 Note [The budget search]
     Kinds are ranked by recompute FLOPs per byte their outputs hold (attention near twice the
-    sequence length, a matrix product near its inner width) and taken best first. Each is kept
+    sequence length, a matrix product near its inner width) and taken best first. Any policy
+    at all costs host time on every op of the regions (``DeviceModel.policy_seconds_per_op``),
+    the same whatever it keeps: the search compares choices without it, then keeps the policy
+    only if what it saves pays for it (on a small, launch-bound model it may not). Each is kept
     on the device if the step still fits, else offloaded if it fits that way and the step gets
     faster (the link's time beyond the compute it overlaps counts against it), else recomputed.
     When an offload does not fit with the look-ahead in force, fewer records fetched ahead
@@ -80,20 +83,25 @@ def _kinds(calls: list[OpCall]) -> list[KindProfile]:
     return sorted(kinds, key=lambda kind: kind.flops_per_byte, reverse=True)
 
 
-def step_seconds(strategy_plan: StrategyPlan, device: DeviceModel, prefetch: int) -> float:
+def step_seconds(
+    strategy_plan: StrategyPlan, device: DeviceModel, prefetch: int, policy_ops: int = 0
+) -> float:
     """Estimate a planned step's time: compute, plus link time the compute cannot hide.
 
     Compute is the step's FLOPs at ``device.peak_flops`` (recomputation included, so what is
     kept or offloaded shortens backward). Copies to the host overlap forward and copies back
     overlap backward; what they take beyond that is added. Without look-ahead every copy back
-    is waited for.
+    is waited for. ``policy_ops`` ops pass through a selective-checkpoint policy (torch runs
+    it in Python for every op of a region, in forward and again in the recomputation), each
+    costing ``device.policy_seconds_per_op``.
     """
     forward = strategy_plan.forward_flops / device.peak_flops
     backward = strategy_plan.backward_flops / device.peak_flops
     to_host = strategy_plan.bytes_to_host / device.to_host_bandwidth
     to_device = strategy_plan.bytes_to_device / device.to_device_bandwidth
     hidden_back = 0.0 if prefetch == 0 else backward
-    return forward + backward + max(0.0, to_host - forward) + max(0.0, to_device - hidden_back)
+    exposed = max(0.0, to_host - forward) + max(0.0, to_device - hidden_back)
+    return forward + backward + exposed + policy_ops * device.policy_seconds_per_op
 
 
 # Torch's selective checkpointing (CheckpointPolicy, create_selective_checkpoint_contexts) came
@@ -245,6 +253,8 @@ def fastest_under(
     profiler = RegionProfiler()
     baseline = run(profiler, settings)
     kinds = _kinds(profiler.calls)
+    # Every op of the regions meets the policy twice: in forward and in the recomputation.
+    policy_ops = 2 * len(profiler.calls)
     every_block = step_seconds(baseline, device, settings.prefetch)
     smallest = baseline.peak_bytes
     best = (baseline, settings, every_block)
@@ -255,6 +265,7 @@ def fastest_under(
         smallest = min(smallest, tried.peak_bytes)
         if fits(tried):
             best = (tried, fewer, step_seconds(tried, device, 0))
+    plain = best
     if fits(best[0]):
         for kind in kinds:
             attempts: tuple[tuple[Decision, tuple[OffloadSettings, ...]], ...] = (
@@ -269,6 +280,7 @@ def fastest_under(
                 for candidate in candidates:
                     tried = run(_context_fn(trial), candidate)
                     smallest = min(smallest, tried.peak_bytes)
+                    # The policy's host cost is the same for any choice: see the end.
                     seconds = step_seconds(tried, device, candidate.prefetch)
                     if fits(tried) and seconds < best[2]:
                         best = (tried, candidate, seconds)
@@ -277,6 +289,11 @@ def fastest_under(
                         break
                 if accepted:
                     break
+    if decisions and best[2] + policy_ops * device.policy_seconds_per_op >= plain[2]:
+        # The recompute it saves does not pay for the policy's host time.
+        best, decisions = plain, {}
+    elif decisions:
+        best = (best[0], best[1], best[2] + policy_ops * device.policy_seconds_per_op)
     chosen, chosen_settings, seconds = best
     return BudgetPlan(
         budget_bytes=budget_bytes,
