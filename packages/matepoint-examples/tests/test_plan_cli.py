@@ -127,9 +127,9 @@ def test_help_gives_the_shape_defaults(capsys: pytest.CaptureFixture[str]) -> No
     assert "deep96 deep latent stack, 96 blocks, width 1536" in text
 
 
-TINY_LLAMA = ["--model", "llama8", "--depth", "2", "--width", "256", "--heads", "4"]
-# Compute at 1 TFLOP/s: this tiny stack's recompute then outweighs a policy's host time.
-TINY_LLAMA += ["--seq", "512", "--min-offload", "0", "--peak-tflops", "1"]
+TINY_LLAMA = ["--model", "llama8", "--depth", "2", "--width", "512", "--heads", "4"]
+# Compute at 1 TFLOP/s: this small stack's recompute then outweighs a policy's host time.
+TINY_LLAMA += ["--seq", "2048", "--min-offload", "0", "--peak-tflops", "1"]
 
 
 @pytest.mark.skipif(
