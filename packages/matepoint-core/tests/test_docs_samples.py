@@ -43,7 +43,7 @@ import pytest
 
 import matepoint
 from matepoint.testing import CPUTestTransport, use_transport
-from matepoint_compat import MatepointDeprecationWarning
+from matepoint_compat import TORCH_VERSION, MatepointDeprecationWarning
 
 # Note [Docs code blocks]
 # A block's role comes from its fence's info string and the marker comment on the line before
@@ -389,8 +389,17 @@ RUN_PAGES = tuple(
 )
 
 
+# A page about a feature of newer torch says so once, anywhere: <!-- needs-torch: 2.11 -->.
+NEEDS_TORCH = re.compile(r"<!--\s*needs-torch:\s*(?P<major>\d+)\.(?P<minor>\d+)\s*-->")
+
+
 @pytest.mark.parametrize("page", RUN_PAGES)
 def test_page_blocks_run_and_print_their_samples(page: str, request: pytest.FixtureRequest) -> None:
+    needed = NEEDS_TORCH.search(_read(page))
+    if needed is not None:
+        wanted = (int(needed["major"]), int(needed["minor"]))
+        if TORCH_VERSION[:2] < wanted:
+            pytest.skip(f"{page} needs torch {wanted[0]}.{wanted[1]} (its needs-torch marker)")
     skipped = run_page(page, _read(page), run_slow=bool(request.config.getoption("--run-slow")))
     if skipped:
         pytest.skip(f"slow blocks not run (pass --run-slow): {', '.join(skipped)}")
