@@ -8,6 +8,7 @@ move exactly the bytes the plan said it would.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -248,3 +249,36 @@ def test_a_policy_that_costs_more_host_time_than_it_saves_is_not_chosen() -> Non
     assert budget.decisions == ()
     assert budget.context_fn() is None
     assert budget.step_seconds == budget.every_block_seconds
+
+
+def test_calibration_is_cached_per_device_and_torch_and_refreshed_on_request(
+    tmp_path: Any,
+) -> None:
+    from matepoint._calibrate import cached_model
+
+    path = tmp_path / "models.json"
+    calls: list[int] = []
+
+    def measure() -> DeviceModel:
+        calls.append(1)
+        return DeviceModel(peak_flops=7e14, to_host_bandwidth=5e10, policy_seconds_per_op=3e-6)
+
+    first = cached_model(path, "H200 | torch 2.11", measure)
+    assert cached_model(path, "H200 | torch 2.11", measure) == first
+    assert len(calls) == 1
+    cached_model(path, "H100 | torch 2.11", measure)
+    assert len(calls) == 2
+    assert set(json.loads(path.read_text())) == {"H200 | torch 2.11", "H100 | torch 2.11"}
+    cached_model(path, "H200 | torch 2.11", measure, refresh=True)
+    assert len(calls) == 3
+    path.write_text("not json")
+    assert cached_model(path, "H200 | torch 2.11", measure) == first
+    assert len(calls) == 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_calibrating_without_a_gpu_says_so() -> None:
+    with pytest.raises(ValueError, match="DeviceModel"):
+        matepoint.calibrate()
+    with pytest.raises(ValueError, match="CUDA"):
+        matepoint.calibrate("cpu")

@@ -11,6 +11,7 @@ import sys
 import matepoint_compat as _compat
 from matepoint._budget import BudgetPlan
 from matepoint._budget_profile import DeviceModel
+from matepoint._calibrate import calibrate
 from matepoint._checkpoint import checkpoint, checkpoint_sequential
 from matepoint._errors import InplaceModificationError, MatepointError, PinnedMemoryExhausted
 from matepoint._monitor import prefetch_now, release_pool, report, reset_stats, stats
@@ -41,6 +42,7 @@ __all__ = [
     "StrategyPlan",
     "TimelinePoint",
     "__version__",
+    "calibrate",
     "checkpoint",
     "checkpoint_sequential",
     "configure",

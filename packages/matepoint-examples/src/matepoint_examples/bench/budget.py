@@ -166,6 +166,10 @@ def run(workload: str, rounds: int, warmup: int) -> dict[str, Any]:
     def predicted(planned_peak: int) -> int:
         return max(planned_peak + states, optimizer_peak)
 
+    # The time model's rates, measured on this device (cached per device and torch).
+    device_model = matepoint.calibrate(refresh=True)
+    print(device_model, flush=True)
+
     budgets = {
         "budget@torch": measured_peaks["torch"],
         "budget@mid": (measured_peaks["torch"] + measured_peaks["none"]) // 2,
@@ -173,7 +177,7 @@ def run(workload: str, rounds: int, warmup: int) -> dict[str, Any]:
     plans: dict[str, dict[str, Any]] = {}
     for name, budget in budgets.items():
         started = time.perf_counter()
-        budget_plan = memory_plan.fastest_under(budget - states)
+        budget_plan = memory_plan.fastest_under(budget - states, device=device_model)
         plans[name] = {
             "budget_bytes": budget,
             "fits": budget_plan.fits,
@@ -220,6 +224,7 @@ def run(workload: str, rounds: int, warmup: int) -> dict[str, Any]:
         "rounds": rounds,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "device_model": dataclasses.asdict(device_model),
         "optimizer_state_bytes": states,
         "optimizer_step_peak_bytes": optimizer_peak,
         "plans": plans,

@@ -1,0 +1,164 @@
+"""A short measurement of the real device for the budget plan's time model, cached on disk.
+
+The default :class:`~matepoint.DeviceModel` holds an H200's published peak and the link
+bandwidth measured on one H200 host. Real matrix rates are lower than the peak, hosts differ in
+their link, and the host time a selective-checkpoint policy adds per op depends on the CPU. A
+calibration measures the four on the device itself in a second or two, and caches them per
+device name and torch release, so the next plan on that machine reads them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import matepoint_compat as compat
+from matepoint._budget_profile import DeviceModel
+
+__all__ = ["cached_model", "calibrate", "default_cache_path"]
+
+_MIB = 1 << 20
+
+
+def default_cache_path() -> Path:
+    """Where calibrations are kept: ``$XDG_CACHE_HOME/matepoint`` or ``~/.cache/matepoint``."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "matepoint" / "device-models.json"
+
+
+def _seconds(device: torch.device, work: Callable[[], object], repeats: int) -> float:
+    """The median time of ``work`` on ``device``'s current stream, timed with device events."""
+    work()
+    times: list[float] = []
+    for _ in range(repeats):
+        start = compat.new_event(device, enable_timing=True)
+        end = compat.new_event(device, enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        times.append(float(start.elapsed_time(end)) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _policy_seconds_per_op(ops: int = 200) -> float:
+    """Host time torch's selective-checkpoint mode adds to one small op (forward mode)."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    policy_type = getattr(torch_checkpoint, "CheckpointPolicy", None)
+    if policy_type is None:  # torch 2.4: no selective checkpointing, nothing to charge
+        return 0.0
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        return policy_type.PREFER_RECOMPUTE
+
+    x = torch.ones(8, device="cuda")
+
+    def run() -> float:
+        start = time.perf_counter()
+        y = x
+        for _ in range(ops):
+            y = y + 1
+        return time.perf_counter() - start
+
+    run()
+    plain = min(run() for _ in range(5))
+    create_contexts: Any = torch_checkpoint.create_selective_checkpoint_contexts
+    with_policy = []
+    for _ in range(5):
+        forward, _ = create_contexts(policy)
+        with forward:
+            with_policy.append(run())
+    torch.cuda.synchronize()
+    return max(0.0, (min(with_policy) - plain) / ops)
+
+
+def _measure(device: torch.device) -> DeviceModel:
+    """Measure matrix rate, memory bandwidth, the link each way and the policy's cost."""
+    size = 8192
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    matmul = _seconds(device, lambda: a @ b, repeats=5)
+    source = torch.empty(256 * _MIB, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    copy = _seconds(device, lambda: target.copy_(source), repeats=5)
+    pinned = compat.allocate_pinned(source.numel())
+    to_host = _seconds(device, lambda: pinned.copy_(source, non_blocking=True), repeats=5)
+    to_device = _seconds(device, lambda: source.copy_(pinned, non_blocking=True), repeats=5)
+    return DeviceModel(
+        peak_flops=2 * size**3 / matmul,
+        memory_bandwidth=2 * source.numel() / copy,
+        to_host_bandwidth=source.numel() / to_host,
+        to_device_bandwidth=source.numel() / to_device,
+        policy_seconds_per_op=_policy_seconds_per_op(),
+    )
+
+
+def calibrate(
+    device: torch.device | str = "cuda",
+    *,
+    cache: Path | None = None,
+    refresh: bool = False,
+) -> DeviceModel:
+    """Return a :class:`~matepoint.DeviceModel` measured on ``device``, from the cache if there.
+
+    Takes a second or two on a GPU (a bf16 matrix product, a 256 MiB copy on the device and
+    each way over the link, a few hundred small ops with and without a selective-checkpoint
+    mode). Pass the result to :meth:`matepoint.MemoryPlan.fastest_under` as ``device=``.
+
+    Args:
+        device: A CUDA device. Default: ``"cuda"`` (the current one).
+        cache: The cache file. Default: :func:`default_cache_path`; it is keyed by device name
+            and torch release.
+        refresh: Measure again even if the cache has this device. Default: ``False``.
+
+    Returns:
+        The measured model.
+
+    Raises:
+        ValueError: If ``device`` is not a CUDA device, or no GPU is present.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(
+            f"calibrate() measures a CUDA device and its link; got {device} "
+            f"({'no GPU present' if not torch.cuda.is_available() else 'not CUDA'}); without "
+            "one, plans use DeviceModel()'s H200 figures"
+        )
+    path = cache if cache is not None else default_cache_path()
+    key = f"{torch.cuda.get_device_name(device)} | torch {torch.__version__}"
+
+    def measured() -> DeviceModel:
+        with torch.cuda.device(device):
+            return _measure(device)
+
+    return cached_model(path, key, measured, refresh=refresh)
+
+
+def cached_model(
+    path: Path, key: str, measure: Callable[[], DeviceModel], *, refresh: bool = False
+) -> DeviceModel:
+    """Return the model stored under ``key`` in ``path``, or measure, store and return it.
+
+    Other keys in the file are kept; a file that cannot be read is measured over, not trusted.
+    """
+    stored: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            stored = {}  # an unreadable cache is measured over, not trusted
+    if not refresh and key in stored:
+        return DeviceModel(**stored[key])
+    model = measure()
+    stored[key] = dataclasses.asdict(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(stored, indent=2) + "\n", encoding="utf-8")
+    return model
