@@ -51,10 +51,10 @@ _SIMPLE_LEAF_TYPES = (torch.Tensor, *_PLAIN_TYPES)
 
 # The hooks of the last call: a training loop repeats one set of options (``resolve`` returns
 # the same object while nothing changes), so building the hooks is off the per-call path.
-_last_hooks: tuple[ResolvedOptions, bool, saved_tensors_hooks] | None = None
+_last_hooks: tuple[ResolvedOptions, saved_tensors_hooks] | None = None
 
 
-def _hooks_for(options: ResolvedOptions, pipelined: bool) -> saved_tensors_hooks:
+def _hooks_for(options: ResolvedOptions) -> saved_tensors_hooks:
     """Return matepoint's outer saved-tensor hooks for checkpoint calls with these options.
 
     Entering pushes the two hooks and leaving pops them; the object keeps no other state, so one
@@ -62,17 +62,17 @@ def _hooks_for(options: ResolvedOptions, pipelined: bool) -> saved_tensors_hooks
     """
     global _last_hooks
     last = _last_hooks
-    if last is not None and last[0] is options and last[1] == pipelined:
-        return last[2]
+    if last is not None and last[0] is options:
+        return last[1]
 
     def pack_hook(tensor: torch.Tensor) -> Any:
-        return pack(tensor, options, pipelined)
+        return pack(tensor, options)
 
     def unpack_hook(saved: Any) -> torch.Tensor:
         return unpack(saved, options)
 
     hooks = saved_tensors_hooks(pack_hook, unpack_hook)
-    _last_hooks = (options, pipelined, hooks)
+    _last_hooks = (options, hooks)
     return hooks
 
 
@@ -271,17 +271,16 @@ def _checkpoint(
             return torch_checkpoint.checkpoint(
                 function, *args, use_reentrant=use_reentrant, **checkpoint_options, **kwargs
             )
-    pipelined = options.pipelined
     context_fn = checkpoint_options.get("context_fn", torch_checkpoint.noop_context_fn)
     if not reentrant and context_fn is not torch_checkpoint.noop_context_fn:
         # See Note [Offloading what a selective policy saves] (matepoint/_selective.py).
-        checkpoint_options["context_fn"] = offload_policy_outputs(context_fn, options, pipelined)
+        checkpoint_options["context_fn"] = offload_policy_outputs(context_fn, options)
     if not reentrant and _needs_flattening(args, kwargs):
         function, args = _flattened_call(function, args, kwargs)
         kwargs = {}
     # unwind_failed_checkpoint: on torch < 2.13 a raising function leaves torch's hooks pushed
     # above ours; it pops them first, so ours pop their own.
-    with adapted, _hooks_for(options, pipelined), compat.unwind_failed_checkpoint():
+    with adapted, _hooks_for(options), compat.unwind_failed_checkpoint():
         return torch_checkpoint.checkpoint(
             function, *args, use_reentrant=use_reentrant, **checkpoint_options, **kwargs
         )

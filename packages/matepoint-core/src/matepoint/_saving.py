@@ -150,13 +150,13 @@ def count_kept(counters: Counters, reason: KeepReason) -> None:
         counters.skipped_other += 1
 
 
-def pack(tensor: torch.Tensor, options: ResolvedOptions, pipelined: bool) -> Record | KeptTensor:
+def pack(tensor: torch.Tensor, options: ResolvedOptions) -> Record | KeptTensor:
     """Decide where a saved checkpoint input lives until backward; start its copy if it moves.
 
     Args:
         tensor: A tensor torch's checkpoint saves for recomputation.
-        options: The call's resolved options.
-        pipelined: Copy on the side stream (True) or synchronously on the compute stream.
+        options: The call's resolved options (``pipelined``: copy on the side stream, or
+            synchronously on the compute stream).
 
     Returns:
         The object autograd keeps in place of the tensor.
@@ -167,7 +167,7 @@ def pack(tensor: torch.Tensor, options: ResolvedOptions, pipelined: bool) -> Rec
     if reason is None:
         engine = engine_of(tensor, plan)
         if engine is not None:
-            record = engine.offload(tensor, options, pipelined)
+            record = engine.offload(tensor, options, options.pipelined)
             if plan is not None:
                 plan.saved(tensor, "offloaded" if record.packs == 1 else "shared")
             return record

@@ -61,7 +61,7 @@ class _OffloadedOutput:
 
 
 def offload_policy_outputs(
-    context_fn: Callable[[], Any], options: ResolvedOptions, pipelined: bool
+    context_fn: Callable[[], Any], options: ResolvedOptions
 ) -> Callable[[], Any]:
     """Wrap a checkpoint's ``context_fn`` so its policy's CPU-offload outputs go to the host.
 
@@ -70,8 +70,7 @@ def offload_policy_outputs(
 
     Args:
         context_fn: The checkpoint call's ``context_fn``.
-        options: The call's resolved options.
-        pipelined: Copy on the side stream (True) or synchronously.
+        options: The call's resolved options (``pipelined`` among them).
 
     Returns:
         A ``context_fn`` to give torch's checkpoint instead.
@@ -80,7 +79,7 @@ def offload_policy_outputs(
     def offload(tensor: torch.Tensor) -> _OffloadedOutput:
         # Pack hooks run under no-grad; so does this, from inside the forward.
         with torch.no_grad():
-            saved = pack(tensor, options, pipelined)
+            saved = pack(tensor, options)
         if isinstance(saved, Record) and saved.packs == 1:
             # A new record (a shared one has packs > 1): count it as the policy's.
             engine = saved.owner
