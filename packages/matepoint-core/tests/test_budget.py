@@ -90,6 +90,22 @@ def _plan() -> matepoint.MemoryPlan:
     return matepoint.plan(stack, x, options=matepoint.OffloadSettings(min_offload_bytes=0))
 
 
+# Compute at 1 TFLOP/s, a link that costs nothing and a policy without host time.
+FREE_LINK = DeviceModel(
+    peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18, policy_seconds_per_op=0
+)
+
+
+def _between_every_block_and_keeping_all(memory_plan: matepoint.MemoryPlan) -> matepoint.BudgetPlan:
+    """The plan for a budget between every block's peak and what keeping everything needs.
+
+    Keeping does not fit there: offloading must carry the rest.
+    """
+    every_block = memory_plan["matepoint"].peak_bytes
+    roomy = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=FREE_LINK)
+    return memory_plan.fastest_under((every_block + roomy.peak_bytes) // 2, device=FREE_LINK)
+
+
 def test_op_kinds_name_matrix_products_by_shape_and_attention() -> None:
     a, b = torch.empty(8, 64, device="meta"), torch.empty(64, 192, device="meta")
     assert op_kind(torch.ops.aten.mm.default, (a, b)) == "matmul 64x192"
@@ -138,13 +154,7 @@ def test_a_slow_link_never_offloads() -> None:
 @needs_offload_values
 def test_offloading_is_chosen_when_the_link_is_free_and_keeping_does_not_fit() -> None:
     memory_plan = _plan()
-    every_block = memory_plan["matepoint"].peak_bytes
-    free_link = DeviceModel(
-        peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18, policy_seconds_per_op=0
-    )
-    roomy = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=free_link)
-    # Between every block's peak and what keeping everything needs: offloading must carry it.
-    budget = memory_plan.fastest_under((every_block + roomy.peak_bytes) // 2, device=free_link)
+    budget = _between_every_block_and_keeping_all(memory_plan)
     assert budget.fits
     assert "offload" in dict(budget.decisions).values(), budget
     assert budget.strategy_plan.bytes_to_host > memory_plan["matepoint"].bytes_to_host
@@ -152,13 +162,10 @@ def test_offloading_is_chosen_when_the_link_is_free_and_keeping_does_not_fit() -
 
 def test_the_host_budget_and_ranks_per_node_limit_offloading() -> None:
     memory_plan = _plan()
-    free_link = DeviceModel(
-        peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18, policy_seconds_per_op=0
-    )
     every_block = memory_plan["matepoint"]
     host = every_block.pinned_bytes * 2
     budget = memory_plan.fastest_under(
-        every_block.peak_bytes, host_budget_bytes=host, ranks_per_node=2, device=free_link
+        every_block.peak_bytes, host_budget_bytes=host, ranks_per_node=2, device=FREE_LINK
     )
     assert budget.fits
     assert budget.pinned_bytes_per_node == budget.strategy_plan.pinned_bytes * 2 <= host
@@ -187,12 +194,7 @@ def test_the_chosen_plan_runs_for_real_with_torchs_gradients_and_the_planned_tra
     """Copies that complete at once: the planner's one assumption (Note [Planner fidelity])."""
     monkeypatch.setattr(__import__(__name__), "ATTENTION", False)
     memory_plan = _plan()
-    every_block = memory_plan["matepoint"].peak_bytes
-    free_link = DeviceModel(
-        peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18, policy_seconds_per_op=0
-    )
-    roomy = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=free_link)
-    budget = memory_plan.fastest_under((every_block + roomy.peak_bytes) // 2, device=free_link)
+    budget = _between_every_block_and_keeping_all(memory_plan)
     decisions = dict(budget.decisions)
     assert "offload" in decisions.values()
 

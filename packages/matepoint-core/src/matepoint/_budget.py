@@ -289,11 +289,12 @@ def fastest_under(
                         break
                 if accepted:
                     break
-    if decisions and best[2] + policy_ops * device.policy_seconds_per_op >= plain[2]:
-        # The recompute it saves does not pay for the policy's host time.
-        best, decisions = plain, {}
-    elif decisions:
-        best = (best[0], best[1], best[2] + policy_ops * device.policy_seconds_per_op)
+    if decisions:
+        with_policy = step_seconds(best[0], device, best[1].prefetch, policy_ops)
+        if with_policy < plain[2]:
+            best = (best[0], best[1], with_policy)
+        else:  # the recompute it saves does not pay for the policy's host time
+            best, decisions = plain, {}
     chosen, chosen_settings, seconds = best
     return BudgetPlan(
         budget_bytes=budget_bytes,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint_compat as compat
 from matepoint._budget_profile import DeviceModel
@@ -50,14 +51,11 @@ def _seconds(device: torch.device, work: Callable[[], object], repeats: int) -> 
 
 def _policy_seconds_per_op(ops: int = 200) -> float:
     """Host time torch's selective-checkpoint mode adds to one small op (forward mode)."""
-    import torch.utils.checkpoint as torch_checkpoint
-
-    policy_type = getattr(torch_checkpoint, "CheckpointPolicy", None)
-    if policy_type is None:  # torch 2.4: no selective checkpointing, nothing to charge
+    if not compat.TORCH_2_5_PLUS:  # no selective checkpointing, nothing to charge
         return 0.0
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        return policy_type.PREFER_RECOMPUTE
+        return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
     x = torch.ones(8, device="cuda")
 

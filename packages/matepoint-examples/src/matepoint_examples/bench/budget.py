@@ -36,6 +36,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor
 
 import matepoint
+from matepoint._budget_profile import op_kind
 from matepoint_examples.bench._paired import per_round_ratios, quartiles, round_order
 from matepoint_examples.models import LlamaConfig, LlamaStack
 
@@ -53,7 +54,6 @@ WORKLOADS: dict[str, tuple[LlamaConfig, int, int]] = {
 
 def selective_policy(saved_kinds: frozenset[str]) -> Callable[..., Any]:
     """torch's selective checkpoint saving the ops of ``saved_kinds`` (``matepoint`` op kinds)."""
-    from matepoint._budget_profile import op_kind
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         del ctx, kwargs
