@@ -15,6 +15,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
+import matepoint_compat as compat
 from matepoint import _engine, _registry
 from matepoint.testing import CPUTestTransport
 
@@ -129,3 +130,42 @@ def run_in_threads(step: Callable[[int], T], threads: int, steps: int) -> list[l
     if errors:
         raise errors[0]
     return results
+
+
+class CapturingBackend:
+    """aot_eager (min-cut partitioner, no compiler) that keeps the partitioned forward graphs."""
+
+    def __init__(self) -> None:
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.forward_graphs: list[torch.fx.GraphModule] = []
+
+        def forward_compiler(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+            self.forward_graphs.append(graph)
+            return make_boxed_func(graph.forward)
+
+        def backward_compiler(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+            return make_boxed_func(graph.forward)
+
+        self.backend = aot_autograd(
+            fw_compiler=forward_compiler,
+            bw_compiler=backward_compiler,
+            partition_fn=min_cut_rematerialization_partition,
+            keep_inference_input_mutations=True,
+        )
+
+    def __call__(self, graph: torch.fx.GraphModule, inputs: Any) -> Any:
+        return self.backend(graph, inputs)
+
+    def offloaded(self) -> list[str]:
+        """The values the forward graphs send to the host."""
+        return [name for graph in self.forward_graphs for name in compat.offloaded_nodes(graph)]
+
+    def saved(self) -> list[str]:
+        """Names of what the forward graphs return (outputs and saved values)."""
+        names = []
+        for graph in self.forward_graphs:
+            (output,) = [node for node in graph.graph.nodes if node.op == "output"]
+            names += [getattr(value, "name", "") for value in output.args[0]]
+        return names

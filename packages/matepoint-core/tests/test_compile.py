@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
+from _helpers import CapturingBackend
 from torch import nn
 
 import matepoint
@@ -161,37 +162,6 @@ def assert_bitwise(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> 
     assert len(actual) == len(expected)
     for a, b in zip(actual, expected, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
-
-
-class CapturingBackend:
-    """aot_eager (min-cut partitioner, no compiler) that keeps the partitioned forward graphs."""
-
-    def __init__(self) -> None:
-        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-        from torch._dynamo.backends.common import aot_autograd
-
-        self.forward_graphs: list[torch.fx.GraphModule] = []
-
-        def forward_compiler(graph: torch.fx.GraphModule, inputs: Any) -> Any:
-            self.forward_graphs.append(graph)
-            return make_boxed_func(graph.forward)
-
-        def backward_compiler(graph: torch.fx.GraphModule, inputs: Any) -> Any:
-            return make_boxed_func(graph.forward)
-
-        self.backend = aot_autograd(
-            fw_compiler=forward_compiler,
-            bw_compiler=backward_compiler,
-            partition_fn=min_cut_rematerialization_partition,
-            keep_inference_input_mutations=True,
-        )
-
-    def __call__(self, graph: torch.fx.GraphModule, inputs: Any) -> Any:
-        return self.backend(graph, inputs)
-
-    def offloaded(self) -> list[str]:
-        """The values the forward graphs send to the host."""
-        return [name for graph in self.forward_graphs for name in compat.offloaded_nodes(graph)]
 
 
 def graph_breaks(model: nn.Module) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from _helpers import CapturingBackend
 from torch import nn
 
 import matepoint
@@ -90,43 +91,6 @@ class Model(nn.Module):
         for block in self.blocks:
             h = h + self.checkpoint(block, h, use_reentrant=False, context_fn=self.context_fn)
         return h
-
-
-class CapturingBackend:
-    """aot_eager with the min-cut partitioner, keeping the partitioned forward graphs."""
-
-    def __init__(self) -> None:
-        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-        from torch._dynamo.backends.common import aot_autograd
-
-        self.forward_graphs: list[torch.fx.GraphModule] = []
-
-        def forward_compiler(graph: torch.fx.GraphModule, inputs: Any) -> Any:
-            self.forward_graphs.append(graph)
-            return make_boxed_func(graph.forward)
-
-        def backward_compiler(graph: torch.fx.GraphModule, inputs: Any) -> Any:
-            return make_boxed_func(graph.forward)
-
-        self.backend = aot_autograd(
-            fw_compiler=forward_compiler,
-            bw_compiler=backward_compiler,
-            partition_fn=min_cut_rematerialization_partition,
-        )
-
-    def __call__(self, graph: torch.fx.GraphModule, inputs: Any) -> Any:
-        return self.backend(graph, inputs)
-
-    def offloaded(self) -> list[str]:
-        return [name for graph in self.forward_graphs for name in compat.offloaded_nodes(graph)]
-
-    def saved(self) -> list[str]:
-        """Names of what the forward graphs return (outputs and saved values)."""
-        names = []
-        for graph in self.forward_graphs:
-            (output,) = [node for node in graph.graph.nodes if node.op == "output"]
-            names += [getattr(value, "name", "") for value in output.args[0]]
-        return names
 
 
 def step(model: nn.Module, backend: Any) -> list[torch.Tensor]:
