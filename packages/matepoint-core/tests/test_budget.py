@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -223,6 +224,49 @@ def test_the_chosen_plan_runs_for_real_with_torchs_gradients_and_the_planned_tra
     counters = budget.strategy_plan.counters
     real = dataclasses.asdict(stats)
     assert {name: real[name] for name in counters} == counters
+
+
+@needs_offload_values
+def test_a_kind_repeated_in_a_region_is_decided_per_occurrence(fresh_stats: None) -> None:
+    """The MLP's up and gate projections share a shape: offloading the first leaves the second."""
+    memory_plan = _plan()
+    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=FREE_POLICY)
+    up, gate = f"matmul {WIDTH}x{HIDDEN} #1", f"matmul {WIDTH}x{HIDDEN} #2"
+    classes = {kind.kind for kind in budget.kinds}
+    assert {up, gate} <= classes
+    assert f"matmul {WIDTH}x{HIDDEN}" not in classes
+    first_only = dataclasses.replace(budget, decisions=((up, "offload"),))
+
+    policy = first_only.policy()
+    forward, recompute = SimpleNamespace(is_recompute=False), SimpleNamespace(is_recompute=True)
+    mm = torch.ops.aten.mm.default
+    args = (torch.empty(8, WIDTH, device="meta"), torch.empty(WIDTH, HIDDEN, device="meta"))
+    values = [policy(ctx, mm, *args) for ctx in (forward, recompute, forward, recompute)]
+    policies = torch.utils.checkpoint.CheckpointPolicy
+    offload, recomputed = policies.MUST_CPU_OFFLOAD, policies.PREFER_RECOMPUTE
+    assert values == [offload, offload, recomputed, recomputed]
+
+    torch.manual_seed(0)
+    planned = Stack(first_only.context_fn())
+    reference = Stack()
+    reference.load_state_dict(planned.state_dict())
+    x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
+    x_reference = x.detach().clone().requires_grad_()
+    with (
+        use_transport(CPUTestTransport(completion="immediate")),
+        matepoint.options(min_offload_bytes=0),
+    ):
+        planned(x).sum().backward()
+        stats = matepoint.stats()
+    expected = x_reference
+    for block in reference.blocks:
+        expected = torch.utils.checkpoint.checkpoint(block, expected, use_reentrant=False)
+    expected.sum().backward()
+    assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
+    for mine, theirs in zip(planned.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
+    # One up projection's output per block crossed, not the gate's.
+    assert stats.bytes_offloaded_by_policy == BLOCKS * TOKENS * HIDDEN * 4
 
 
 def test_the_integrations_apply_a_budget_plan_in_one_call() -> None:

@@ -26,8 +26,8 @@ Note [The budget search]
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -71,11 +71,14 @@ class KindProfile:
 
 
 def _kinds(calls: list[OpCall]) -> list[KindProfile]:
+    # Note [Op kinds]: a kind seen twice in one region is decided per occurrence.
+    repeated = {call.kind for call in calls if call.occurrence > 1}
     totals: dict[str, list[int]] = {}
     for call in calls:
         if call.kind == "other" or not call.output_bytes:
             continue
-        entry = totals.setdefault(call.kind, [0, 0, 0])
+        name = f"{call.kind} #{call.occurrence}" if call.kind in repeated else call.kind
+        entry = totals.setdefault(name, [0, 0, 0])
         entry[0] += 1
         entry[1] += call.output_bytes
         entry[2] += call.flops
@@ -119,10 +122,16 @@ if OFFLOAD_AVAILABLE:
 
 def _policy(decisions: tuple[tuple[str, Decision], ...]) -> Callable[..., Any]:
     chosen = dict(decisions)
+    # Ops of each kind seen so far in this region, in forward and in the recomputation apart
+    # (Note [Op kinds]): one policy serves one checkpoint call.
+    seen: collections.Counter[tuple[bool, str]] = collections.Counter()
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        del ctx, kwargs
-        return _POLICY_VALUES[chosen.get(op_kind(func, args), "recompute")]
+        del kwargs
+        kind = op_kind(func, args)
+        seen[bool(ctx.is_recompute), kind] += 1
+        occurrence = seen[bool(ctx.is_recompute), kind]
+        return _POLICY_VALUES[chosen.get(f"{kind} #{occurrence}", chosen.get(kind, "recompute"))]
 
     return policy
 
@@ -130,9 +139,11 @@ def _policy(decisions: tuple[tuple[str, Decision], ...]) -> Callable[..., Any]:
 def _context_fn(decisions: tuple[tuple[str, Decision], ...]) -> Callable[[], Any] | None:
     if all(decision == "recompute" for _, decision in decisions):
         return None
-    return functools.partial(
-        torch_checkpoint.create_selective_checkpoint_contexts, _policy(decisions)
-    )
+
+    def context_fn() -> Any:
+        return torch_checkpoint.create_selective_checkpoint_contexts(_policy(decisions))
+
+    return context_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +159,8 @@ class BudgetPlan:
         host_budget_bytes: The pinned host RAM budget per node, or None.
         ranks_per_node: Processes per node sharing its host RAM (each pins its own pool).
         fits: Whether the chosen step fits both budgets.
-        decisions: Per kind of op, ``"keep"``, ``"offload"`` or ``"recompute"``.
+        decisions: Per class of op (a kind, or one occurrence of a kind repeated in a
+            region: Note [Op kinds]), ``"keep"``, ``"offload"`` or ``"recompute"``.
         prefetch: The look-ahead chosen (``OffloadSettings.prefetch``).
         peak_bytes: The chosen step's planned peak device memory.
         pinned_bytes_per_node: Pinned host RAM of one rank's pool times ``ranks_per_node``
@@ -176,11 +188,18 @@ class BudgetPlan:
     strategy_plan: StrategyPlan = dataclasses.field(repr=False, compare=False)
 
     def policy(self) -> Callable[..., Any]:
-        """The selective-checkpoint policy: ``policy(ctx, op, *args, **kwargs)``."""
+        """A selective-checkpoint policy for one checkpoint call: ``policy(ctx, op, *args)``.
+
+        It tells a region's repeated kinds apart by counting them (Note [Op kinds]), so each
+        checkpoint call needs a fresh one: :meth:`context_fn` makes one per call.
+        """
         return _policy(self.decisions)
 
     def context_fn(self) -> Callable[[], Any] | None:
-        """The ``context_fn`` for every checkpoint call (None when everything is recomputed)."""
+        """The ``context_fn`` for every checkpoint call (None when everything is recomputed).
+
+        Each call makes torch's selective-checkpoint contexts around a fresh :meth:`policy`.
+        """
         return _context_fn(self.decisions)
 
     def settings_changes(self) -> dict[str, Any]:

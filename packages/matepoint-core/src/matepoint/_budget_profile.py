@@ -13,10 +13,14 @@ Note [Op kinds]
     (matrix products by their inner and output width, so a block's projections are told apart:
     a transformer has a few such shapes, each repeated in every block) and ``"other"``
     (elementwise work, norms, views: cheap to recompute per byte, so never worth keeping).
+    A kind that runs more than once in a region (a SwiGLU's gate and up projections share a
+    shape) is split by its order there into classes ``"matmul KxN #1"``, ``"#2"``, ... which a
+    plan decides one by one: a policy counts the ops of each kind it has seen in its region.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from typing import Any
@@ -84,6 +88,8 @@ class OpCall:
     Attributes:
         region: Which checkpoint call of the step (0 for the first).
         kind: Its kind (Note [Op kinds]).
+        occurrence: How many ops of its kind its region had run, itself included (1 for the
+            first).
         flops: Its FLOPs, as torch's flop counter counts them.
         output_bytes: Bytes of its outputs: what keeping or offloading them holds.
         moved_bytes: Bytes of its inputs and outputs: what it reads and writes at least.
@@ -91,6 +97,7 @@ class OpCall:
 
     region: int
     kind: str
+    occurrence: int
     flops: int
     output_bytes: int
     moved_bytes: int
@@ -107,6 +114,7 @@ class ProfilingMode(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.region = region
         self.calls = calls
+        self.seen: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -114,10 +122,13 @@ class ProfilingMode(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         output_bytes = _tensor_bytes(out)
+        kind = op_kind(func, args)
+        self.seen[kind] += 1
         self.calls.append(
             OpCall(
                 region=self.region,
-                kind=op_kind(func, args),
+                kind=kind,
+                occurrence=self.seen[kind],
                 flops=compat.op_flops(func, args, kwargs, out),
                 output_bytes=output_bytes,
                 moved_bytes=output_bytes + _tensor_bytes((args, kwargs)),
