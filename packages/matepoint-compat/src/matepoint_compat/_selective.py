@@ -29,8 +29,9 @@ Note [Selective checkpointing's storage]
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -39,42 +40,32 @@ from torch.utils._pytree import tree_map
 
 __all__ = ["SELECTIVE_OFFLOAD_POLICIES", "offloading_selective_contexts"]
 
-_CheckpointPolicy: type[enum.Enum] | None = getattr(torch_checkpoint, "CheckpointPolicy", None)
-
-
-def _save_for_offload() -> dict[Any, Any]:
-    """Map each CPU-offload value of ``CheckpointPolicy`` to the save value of the same strength.
-
-    ``CheckpointPolicy`` gained the two offload values in torch 2.11 (pytorch/pytorch#172705);
-    they are looked up rather than gated on the version, so this map is empty before them.
-    """
-    if _CheckpointPolicy is None:
-        return {}
-    members = _CheckpointPolicy.__members__
-    pairs = {"MUST_CPU_OFFLOAD": "MUST_SAVE", "PREFER_CPU_OFFLOAD": "PREFER_SAVE"}
-    return {
-        members[offload]: members[save]
-        for offload, save in pairs.items()
-        if offload in members and save in members
-    }
-
-
-_SAVE_FOR_OFFLOAD = _save_for_offload()
+# ``CheckpointPolicy`` gained the two offload values in torch 2.11 (pytorch/pytorch#172705);
+# they are looked up rather than gated on the version, so the map is empty before them (and on
+# 2.4, which has no ``CheckpointPolicy``).
+_POLICY_VALUES: Mapping[str, Any] = getattr(
+    getattr(torch_checkpoint, "CheckpointPolicy", None), "__members__", {}
+)
+# Each CPU-offload value of ``CheckpointPolicy``, mapped to the save value of the same strength.
+_SAVE_FOR_OFFLOAD: dict[Any, Any] = {
+    _POLICY_VALUES[offload]: _POLICY_VALUES[save]
+    for offload, save in (("MUST_CPU_OFFLOAD", "MUST_SAVE"), ("PREFER_CPU_OFFLOAD", "PREFER_SAVE"))
+    if offload in _POLICY_VALUES
+}
 
 SELECTIVE_OFFLOAD_POLICIES: frozenset[Any] = frozenset(_SAVE_FOR_OFFLOAD)
 """The ``CheckpointPolicy`` values that ask for a CPU offload (empty where torch has none)."""
 
-_CachingMode: type[Any] | None = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
-_CachedMode: type[Any] | None = getattr(torch_checkpoint, "_CachedTorchDispatchMode", None)
+# Every supported release has both modes; ``object`` stands in where one is missing, so no
+# pair ever matches it.
+_CachingMode: type[Any] = getattr(torch_checkpoint, "_CachingTorchDispatchMode", object)
+_CachedMode: type[Any] = getattr(torch_checkpoint, "_CachedTorchDispatchMode", object)
 _VersionWrapper: type[Any] | None = getattr(torch_checkpoint, "_VersionWrapper", None)
-_storage_key_of: Callable[[Any, Any], Any] | None = getattr(
-    torch_checkpoint, "_sac_storage_key", None
-)
-_is_compiling: Callable[[Any, Any, Any], bool] | None = getattr(
-    torch_checkpoint, "_is_compiling", None
-)
+_storage_key: Callable[..., Any] = getattr(torch_checkpoint, "_sac_storage_key", lambda op, _: op)
+_is_compiling: Callable[..., bool] = getattr(torch_checkpoint, "_is_compiling", lambda *_: False)
 
 
+@dataclasses.dataclass(slots=True)
 class _Pending:
     """What the forward's policy wrapper tells the caching mode about the op now dispatched.
 
@@ -82,37 +73,27 @@ class _Pending:
     the storage (and the host copies in it) alive until the garbage collector runs.
     """
 
-    __slots__ = ("offload",)
-
-    def __init__(self) -> None:
-        self.offload = False
+    offload: bool = False
 
 
-def _forward_policy(policy: Callable[..., Any], pending: _Pending) -> Callable[..., Any]:
-    """Wrap the forward's policy: an offload value becomes a save, remembered in ``pending``."""
+def _offload_as_save(policy: Callable[..., Any], pending: _Pending | None) -> Callable[..., Any]:
+    """Wrap a policy so that an offload value becomes the save value of the same strength.
+
+    The forward's wrapper (with ``pending``) remembers the offload there for the caching mode;
+    under compile it returns the policy's own value, since the storage is then a tracing
+    artifact and the partitioner reads that value. The recomputation's wrapper (no ``pending``;
+    2.4-era modes ask the policy again) decides as the forward did.
+    """
 
     def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         decision = policy(ctx, func, *args, **kwargs)
         if not isinstance(decision, enum.Enum) or decision not in _SAVE_FOR_OFFLOAD:
             return decision
-        # Under compile the storage is a tracing artifact and the partitioner reads the
-        # policy's own value.
-        if _is_compiling is not None and _is_compiling(func, args, kwargs):
-            return decision
-        pending.offload = True
+        if pending is not None:
+            if _is_compiling(func, args, kwargs):
+                return decision
+            pending.offload = True
         return _SAVE_FOR_OFFLOAD[decision]
-
-    return decide
-
-
-def _recompute_policy(policy: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap the recomputation's policy (2.4-era modes ask it again) to decide as forward did."""
-
-    def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        decision = policy(ctx, func, *args, **kwargs)
-        if isinstance(decision, enum.Enum) and decision in _SAVE_FOR_OFFLOAD:
-            return _SAVE_FOR_OFFLOAD[decision]
-        return decision
 
     return decide
 
@@ -120,23 +101,18 @@ def _recompute_policy(policy: Callable[..., Any]) -> Callable[..., Any]:
 def _replace_last_entry(
     storage: MutableMapping[Any, Any], func: Any, args: Any, offload: Callable[[Any], Any]
 ) -> None:
-    """Offload the tensors of the entry the caching mode stored last for ``func``.
+    """Offload the tensors of the entry the caching mode has just stored for ``func``.
 
-    See Note [Selective checkpointing's storage] for the two layouts.
+    See Note [Selective checkpointing's storage] for the two layouts: the entry is the list's
+    last item or the dict's last inserted key (the policy wrapper answered "save" for this op, so
+    the caching mode has stored it).
     """
-    key = func if _storage_key_of is None else _storage_key_of(func, args)
-    container = storage.get(key)
-    if isinstance(container, list) and container:
-        index: Any = len(container) - 1
-    elif isinstance(container, dict) and container:
-        index = next(reversed(container))
-    else:
-        return
+    container = storage[_storage_key(func, args)]
+    index = next(reversed(container)) if isinstance(container, dict) else -1
 
     def replace(leaf: Any) -> Any:
         if (
-            _VersionWrapper is not None
-            and type(leaf) is _VersionWrapper
+            type(leaf) is _VersionWrapper
             and isinstance(leaf.val, torch.Tensor)
             and getattr(leaf, "unpack_hook", None) is None
         ):
@@ -150,13 +126,7 @@ def _replace_last_entry(
         container[index] = tree_map(replace, container[index])
 
 
-if _CachingMode is not None:
-    _CachingBase: type[Any] = _CachingMode
-else:  # pragma: no cover - every supported release has the mode
-    _CachingBase = object
-
-
-class _OffloadingCachingMode(_CachingBase):  # type: ignore[misc]
+class _OffloadingCachingMode(_CachingMode):  # type: ignore[misc]
     """torch's forward caching mode, with the outputs of offloaded ops handed to ``_offload``.
 
     Made from the mode the user's ``context_fn`` built (its state copied, so that object stays
@@ -171,10 +141,8 @@ class _OffloadingCachingMode(_CachingBase):  # type: ignore[misc]
         pending = self._matepoint_pending
         pending.offload = False
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        offload = self._matepoint_offload
-        if pending.offload and offload is not None:
-            pending.offload = False
-            _replace_last_entry(self.storage, func, args, offload)
+        if pending.offload and self._matepoint_offload is not None:
+            _replace_last_entry(self.storage, func, args, self._matepoint_offload)
         return out
 
 
@@ -202,22 +170,19 @@ def offloading_selective_contexts(
         ``create_selective_checkpoint_contexts`` builds (other context managers, subclasses),
         or torch's ``CheckpointPolicy`` has no offload values: use ``contexts`` unchanged.
     """
-    if not _SAVE_FOR_OFFLOAD or _CachingMode is None or _CachedMode is None:
-        return None
-    if not isinstance(contexts, tuple) or len(contexts) != 2:
+    if not _SAVE_FOR_OFFLOAD or not isinstance(contexts, tuple) or len(contexts) != 2:
         return None
     forward, recompute = contexts
     if type(forward) is not _CachingMode or type(recompute) is not _CachedMode:
         return None
-    pending = _Pending()
     caching = _OffloadingCachingMode.__new__(_OffloadingCachingMode)
     caching.__dict__.update(vars(forward))
-    caching.policy_fn = _forward_policy(forward.policy_fn, pending)
-    caching._matepoint_pending = pending
-    mutable = bool(getattr(recompute, "allow_cache_entry_mutation", False))
+    caching._matepoint_pending = _Pending()
+    caching.policy_fn = _offload_as_save(forward.policy_fn, caching._matepoint_pending)
+    mutable = getattr(recompute, "allow_cache_entry_mutation", False)
     caching._matepoint_offload = None if mutable else offload
     cached = recompute
     if getattr(recompute, "policy_fn", None) is not None:
         cached = copy.copy(recompute)
-        cached.policy_fn = _recompute_policy(recompute.policy_fn)
+        cached.policy_fn = _offload_as_save(recompute.policy_fn, None)
     return caching, cached
