@@ -337,15 +337,11 @@ def test_first_unpack_prefetches_exactly_the_preceding_records(
             if calls[index] == 2 and "prefetched" not in observed:
                 # The first recomputation of backward: look at what the engine started.
                 engine = engine_of(transport)
-                live = {seq: ref() for seq, ref in engine._records.items()}
+                live = dict(engine._records.items())
                 observed["prefetched"] = sorted(
-                    seq
-                    for seq, record in live.items()
-                    if record is not None and record.prefetched is not None
+                    seq for seq, record in live.items() if record.prefetched is not None
                 )
-                observed["unpacked"] = sorted(
-                    seq for seq, record in live.items() if record is not None and record.unpacks
-                )
+                observed["unpacked"] = sorted(seq for seq, record in live.items() if record.unpacks)
                 observed["prefetches"] = matepoint.stats().prefetches
                 observed["copies_in"] = transport.copies_in
             return torch.tanh(layer(h))
@@ -434,7 +430,7 @@ def test_shared_records_are_forgotten_with_their_graph(transport: CPUTestTranspo
             out.sum().backward()
             del out
     assert_nothing_leaked()
-    assert engine_of(transport)._shared == []
+    assert len(engine_of(transport)._shared) == 0
 
 
 def test_prefetch_skips_records_still_on_the_device(fast_transport: CPUTestTransport) -> None:

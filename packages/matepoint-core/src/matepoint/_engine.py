@@ -3,6 +3,12 @@
 One ``ChannelEngine`` per device (per transport channel) owns that device's records, its held
 originals (stash and copies in flight), its pinned pool and its counters. ``matepoint._saving``
 hands it the saved inputs that move; ``matepoint._registry`` keeps one per channel.
+
+Note [Weak record tables]
+    The engine's tables of records (by sequence, by dedupe key, held originals, shared records)
+    are ``WeakValueDictionary`` objects keyed by the record's pack sequence (by its dedupe key in
+    ``_by_key``), so a record autograd drops leaves them by itself, without taking the engine lock
+    (See Note [Record lifetime]). Their iteration order is insertion order, which is pack order.
 """
 
 from __future__ import annotations
@@ -11,13 +17,14 @@ import bisect
 import threading
 import weakref
 from collections import deque
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import torch
 
 import matepoint_compat as compat
-from matepoint._options import OffloadSettings
-from matepoint._pool import PinnedPool
+from matepoint._options import OffloadSettings, ResolvedOptions
+from matepoint._pool import HostBlock, PinnedPool
 from matepoint._records import Record, inplace_error
 from matepoint._stats import Counters
 from matepoint._transport import Channel, Transport
@@ -42,55 +49,43 @@ class ChannelEngine:
         self.lock = threading.RLock()
         self.pool = PinnedPool(channel)
         self.counters = Counters()
-        self.graveyard: deque[tuple[Any, ...]] = deque()
+        self.graveyard: deque[HostBlock] = deque()
         self._sequence = 0
         self._order: list[int] = []
-        self._records: dict[int, weakref.ref[Record]] = {}
-        self._by_key: dict[tuple[Any, ...], weakref.ref[Record]] = {}
-        self._held: deque[weakref.ref[Record]] = deque()
-        self._shared: list[weakref.ref[Record]] = []
+        # See Note [Weak record tables].
+        self._records: weakref.WeakValueDictionary[int, Record] = weakref.WeakValueDictionary()
+        self._by_key: weakref.WeakValueDictionary[Hashable, Record] = weakref.WeakValueDictionary()
+        self._held: weakref.WeakValueDictionary[int, Record] = weakref.WeakValueDictionary()
+        self._shared: weakref.WeakValueDictionary[int, Record] = weakref.WeakValueDictionary()
         self._timings: deque[Any] = deque()
         self._in_flight: deque[tuple[Any, int]] = deque()
-        self._in_flight_bytes = 0
 
     # -- forward ---------------------------------------------------------------------------
 
-    def offload(self, tensor: torch.Tensor, options: OffloadSettings, pipelined: bool) -> Record:
-        """Start moving ``tensor`` to the host and return its record (or a shared one)."""
+    def offload(self, tensor: torch.Tensor, options: ResolvedOptions) -> Record:
+        """Start moving ``tensor`` to the host and return its record (or a shared one).
+
+        ``options.pipelined`` chooses the copy: on the side stream, or synchronously.
+        """
         with self.lock:
             self._settle_graveyard()
             # Same memory, layout and version: the same saved value (dedupe). ``_version``: see
             # Note [Private tensor attributes read directly] in matepoint_compat.
             version = tensor._version
-            key = (
-                self.channel.memory_key(tensor),
-                tensor.shape,
-                tensor.stride(),
-                tensor.dtype,
-                version,
-            )
-            shared_ref = self._by_key.get(key)
-            shared = shared_ref() if shared_ref is not None else None
+            memory = self.channel.memory_key(tensor)
+            key = (memory, tensor.shape, tensor.stride(), tensor.dtype, version)
+            shared = self._by_key.get(key)
             if shared is not None and shared.original() is not None and not shared.modified:
                 self.counters.dedupe_hits += 1
                 shared.packs += 1
                 shared.last_use = self._sequence
-                if shared.packs == 2:
-                    self._shared.append(weakref.ref(shared))
+                self._shared[shared.sequence] = shared
                 return shared
             nbytes = tensor.numel() * tensor.element_size()
-            block = self.pool.acquire(nbytes, options, on_side_stream=pipelined)
+            block = self.pool.acquire(nbytes, options, on_side_stream=options.pipelined)
             self._sequence += 1
-            record = Record(
-                owner=self,
-                sequence=self._sequence,
-                original=tensor,
-                version=version,
-                block=block,
-                key=key,
-                pipelined=pipelined,
-            )
-            if pipelined:
+            record = Record(self, self._sequence, block, version, options.pipelined, tensor)
+            if record.pipelined:
                 record.copy_event = block.last_event = self.channel.copy_out(
                     tensor, record.host, record.compute
                 )
@@ -98,11 +93,9 @@ class ChannelEngine:
                 self.channel.copy_out_now(tensor, record.host)
             # Settle older originals first: the newest is in use by the call now running.
             self._release_held(options)
-            reference = weakref.ref(record)
-            self._records[record.sequence] = reference
+            self._records[record.sequence] = self._held[record.sequence] = record
+            self._by_key[key] = record
             self._order.append(record.sequence)
-            self._by_key[key] = reference
-            self._held.append(reference)
             self.counters.offloads += 1
             self.counters.bytes_offloaded += nbytes
             return record
@@ -114,29 +107,22 @@ class ChannelEngine:
         being copied: that bounds device memory when compute outruns the link.
         """
         while self._in_flight and self.channel.is_complete(self._in_flight[0][0]):
-            _, nbytes = self._in_flight.popleft()
-            self._in_flight_bytes -= nbytes
-        alive = [
-            (reference, record)
-            for reference in self._held
-            if (record := reference()) is not None and record.device_tensor is not None
-        ]
-        held_bytes = sum(record.nbytes for _, record in alive)
-        kept: deque[weakref.ref[Record]] = deque()
-        for reference, record in alive:
+            self._in_flight.popleft()
+        held = list(self._held.values())
+        held_bytes = sum(record.nbytes for record in held)
+        for record in held:
             if held_bytes > options.stash_bytes and self._let_go(record):
                 held_bytes -= record.nbytes
-            else:
-                kept.append(reference)
-        self._held = kept
-        while self._in_flight_bytes > options.max_inflight_bytes and self._in_flight:
+                del self._held[record.sequence]
+        in_flight_bytes = sum(nbytes for _, nbytes in self._in_flight)
+        while in_flight_bytes > options.max_inflight_bytes:
             event, nbytes = self._in_flight.popleft()
-            self._in_flight_bytes -= nbytes
+            in_flight_bytes -= nbytes
             self._wait_for_copy(event)
         watched = 0
-        for _, record in alive:
+        for record in list(self._held.values()):
             # Still held (kept above) with its copy perhaps still running.
-            if record.device_tensor is not None and record.copy_event is not None:
+            if record.copy_event is not None:
                 watched += record.nbytes
                 if watched > options.stash_bytes + options.max_inflight_bytes:
                     self._wait_for_copy(record.copy_event)
@@ -154,7 +140,7 @@ class ChannelEngine:
         event = record.copy_event
         copying = event is not None and not self.channel.is_complete(event)
         tensor = record.device_tensor
-        assert tensor is not None
+        assert tensor is not None  # held records keep their original
         if tensor._version != record.version:
             # The original changed before we knew its copy had finished: the host copy may hold
             # either version, so backward must raise as torch would.
@@ -170,21 +156,17 @@ class ChannelEngine:
                 self.counters.offloads_freed_nothing += 1
             return True
         del tensor
-        survivor = record.original()
-        if survivor is not None:
-            # Referenced elsewhere: it may still be modified under the copy. Keep watching.
-            record.device_tensor = survivor
-            return False
-        self._in_flight.append((event, record.nbytes))
-        self._in_flight_bytes += record.nbytes
-        return True
+        # Referenced elsewhere, it may still be modified under the copy: keep watching it.
+        record.device_tensor = record.original()
+        if record.device_tensor is None:
+            self._in_flight.append((event, record.nbytes))
+        return record.device_tensor is None
 
     def _wait_for_copy(self, event: Any) -> None:
         """Block the host until a copy out has finished; count it only if it had not."""
-        if self.channel.is_complete(event):
-            return
-        self.counters.host_wait_seconds += self.channel.synchronize(event)
-        self.counters.throttled_waits += 1
+        if not self.channel.is_complete(event):
+            self.counters.host_wait_seconds += self.channel.synchronize(event)
+            self.counters.throttled_waits += 1
 
     # -- backward --------------------------------------------------------------------------
 
@@ -211,21 +193,25 @@ class ChannelEngine:
                 # Shared by several checkpoints: fetched already for one of them in this pass.
                 result = record.fetched
                 self.counters.shared_fetch_hits += 1
-            elif record.prefetched is not None:
-                result, event = record.prefetched
-                self._hand_over(result, event, options)
-                record.prefetched = None
-                self.counters.prefetch_hits += 1
-            elif record.pipelined:
-                result, event = self.channel.copy_in(record.host)
-                record.block.last_event = event
-                self.counters.fetches += 1
-                self.counters.bytes_fetched += record.nbytes
-                self._hand_over(result, event, options)
-            else:
+            elif not record.pipelined:
                 result = self.channel.copy_in_now(record.host)
                 self.counters.fetches += 1
                 self.counters.bytes_fetched += record.nbytes
+            else:
+                if record.prefetched is not None:
+                    result, event = record.prefetched
+                    record.prefetched = None
+                    self.counters.prefetch_hits += 1
+                else:
+                    result, event = self.channel.copy_in(record.host)
+                    record.block.last_event = event
+                    self.counters.fetches += 1
+                    self.counters.bytes_fetched += record.nbytes
+                # Hand the copy to compute, which waits on its event.
+                token = self.channel.hand_to_compute(result, event, options.measure_waits)
+                if token is not None:
+                    self._timings.append(token)
+                    self._resolve_timings(block=True, keep=_TIMING_BACKLOG)
             # Note [Shared records]: a record saved by N checkpoints is unpacked N times per
             # backward pass. The first unpack's device copy is kept for the other N-1, then let go,
             # so the tensor crosses the link once each way per step.
@@ -234,14 +220,6 @@ class ChannelEngine:
             if record.pipelined and options.prefetch > 0:
                 self._prefetch_before(record, options)
             return result
-
-    def _hand_over(self, tensor: torch.Tensor, event: Any, options: OffloadSettings) -> None:
-        """Hand a tensor copied back on the side stream to compute, after its copy's ``event``."""
-        token = self.channel.hand_to_compute(tensor, event, options.measure_waits)
-        if token is not None:
-            self._timings.append(token)
-            if len(self._timings) > _TIMING_BACKLOG:
-                self._resolve_timings(block=True, keep=_TIMING_BACKLOG)
 
     def _prefetch_before(self, record: Record, options: OffloadSettings) -> None:
         """Start copying back what backward needs next: shared records first, then look-ahead.
@@ -255,23 +233,18 @@ class ChannelEngine:
         lies above the window, and ``record`` itself has just been served.
         """
         index = bisect.bisect_left(self._order, record.sequence)
-        if self._shared:
-            window_start = self._order[max(index - options.prefetch, 0)]
-            # Dead entries go in _settle_graveyard, which restore ran just before.
-            for reference in self._shared:
-                candidate = reference()
-                if (
-                    candidate is not None
-                    and candidate is not record
-                    and window_start <= candidate.last_use <= record.sequence
-                    and candidate.pipelined
-                ) and not self._start_prefetch(candidate):
-                    break
-        if record.unpacks % record.packs:
-            # A shared record used by a later checkpoint: its pack position says nothing about
-            # what backward needs next.
-            return
-        self._prefetch_scan(index - 1, record.unpacks // record.packs, options)
+        window_start = self._order[max(index - options.prefetch, 0)]
+        self._start_prefetches(
+            candidate
+            for candidate in list(self._shared.values())
+            if candidate is not record
+            and candidate.pipelined
+            and window_start <= candidate.last_use <= record.sequence
+        )
+        # A shared record used by a later checkpoint: its pack position says nothing about what
+        # backward needs next.
+        if not record.unpacks % record.packs:
+            self._prefetch_scan(index - 1, record.unpacks // record.packs, options)
 
     def prefetch_newest(self, options: OffloadSettings) -> None:
         """Start copying back the newest records not yet unpacked (what backward needs first)."""
@@ -285,16 +258,19 @@ class ChannelEngine:
         Only records unpacked fewer than ``unpacks_below`` times count: in a second backward
         (``retain_graph``) the ones the current pass has already unpacked are not needed again.
         """
-        started = 0
-        scanned = 0
-        while position >= 0 and started < options.prefetch and scanned < _PREFETCH_SCAN_LIMIT:
-            reference = self._records.get(self._order[position])
-            candidate = reference() if reference is not None else None
-            position -= 1
-            scanned += 1
-            if candidate is None or candidate.unpacks >= unpacks_below or not candidate.pipelined:
-                continue
-            started += 1
+        scanned = self._order[max(position + 1 - _PREFETCH_SCAN_LIMIT, 0) : position + 1]
+        candidates = [
+            candidate
+            for sequence in reversed(scanned)
+            if (candidate := self._records.get(sequence)) is not None
+            and candidate.unpacks < unpacks_below
+            and candidate.pipelined
+        ]
+        self._start_prefetches(candidates[: options.prefetch])
+
+    def _start_prefetches(self, candidates: Iterable[Record]) -> None:
+        """Prefetch each candidate in turn, stopping when device memory is short."""
+        for candidate in candidates:
             if not self._start_prefetch(candidate):
                 return
 
@@ -303,22 +279,18 @@ class ChannelEngine:
 
         Returns False when device memory is short (stop prefetching; fetch on demand).
         """
-        if (
-            candidate.prefetched is not None
-            or candidate.fetched is not None
-            or candidate.modified
-            or candidate.original() is not None
-        ):
+        if candidate.modified or candidate.original() is not None:
+            return True
+        if candidate.prefetched is not None or candidate.fetched is not None:
             return True
         try:
-            tensor, event = self.channel.copy_in(candidate.host)
+            candidate.prefetched = self.channel.copy_in(candidate.host)
         except torch.cuda.OutOfMemoryError:
             # A prefetch is only ahead of need: without room for it, the record is fetched on
             # demand when its unpack comes (which raises if memory is still short).
             self.counters.prefetches_skipped += 1
             return False
-        candidate.prefetched = (tensor, event)
-        candidate.block.last_event = event
+        candidate.block.last_event = candidate.prefetched[1]
         self.counters.prefetches += 1
         self.counters.fetches += 1
         self.counters.bytes_fetched += candidate.nbytes
@@ -328,18 +300,9 @@ class ChannelEngine:
 
     def _settle_graveyard(self) -> None:
         """Return dead records' host blocks to the pool. See Note [Record lifetime]."""
-        settled = False
         while self.graveyard:
-            block, key, sequence = self.graveyard.popleft()
-            self.pool.give_back(block)
-            self._records.pop(sequence, None)
-            reference = self._by_key.get(key)
-            if reference is not None and reference() is None:
-                del self._by_key[key]
-            settled = True
-        if settled and self._shared:
-            self._shared = [reference for reference in self._shared if reference() is not None]
-        if settled and len(self._order) > 2 * len(self._records) + 16:
+            self.pool.give_back(self.graveyard.popleft())
+        if len(self._order) > 2 * len(self._records) + 16:
             self._order = [sequence for sequence in self._order if sequence in self._records]
 
     def _resolve_timings(self, block: bool, keep: int = 0) -> None:
@@ -347,7 +310,7 @@ class ChannelEngine:
         while len(self._timings) > keep:
             seconds = self.channel.wait_seconds(self._timings[0], block)
             if seconds is None:
-                break
+                return
             self._timings.popleft()
             self.counters.compute_wait_seconds += seconds
 
@@ -359,9 +322,7 @@ class ChannelEngine:
 
     def live_records(self) -> int:
         """Return how many records are alive (held by some autograd graph)."""
-        with self.lock:
-            self._settle_graveyard()
-            return sum(1 for reference in self._records.values() if reference() is not None)
+        return len(self._records)
 
     def idle(self) -> bool:
         """Return whether no record, held original, copy in flight or pinned block in use is left.
@@ -369,16 +330,13 @@ class ChannelEngine:
         Originals are held only for live records, so no live record means none is held.
         """
         with self.lock:
-            return self.live_records() == 0 and self.pool.in_use_bytes == 0 and not self._in_flight
+            self._settle_graveyard()
+            return not self._records and self.pool.in_use_bytes == 0 and not self._in_flight
 
     def held_bytes(self) -> int:
         """Return device bytes of originals the engine still references (stash and in flight)."""
         with self.lock:
-            return sum(
-                record.nbytes
-                for reference in self._held
-                if (record := reference()) is not None and record.device_tensor is not None
-            )
+            return sum(record.nbytes for record in self._held.values())
 
     def release_pool(self) -> int:
         """Free idle pinned blocks; return the bytes freed."""

@@ -15,6 +15,7 @@ Note [Record lifetime]
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import deque
 from contextlib import AbstractContextManager
@@ -38,7 +39,7 @@ class RecordOwner(Protocol):
     @property
     def channel(self) -> Channel: ...
     @property
-    def graveyard(self) -> deque[tuple[Any, ...]]: ...
+    def graveyard(self) -> deque[HostBlock]: ...
     @property
     def lock(self) -> AbstractContextManager[Any]: ...
     @property
@@ -84,91 +85,85 @@ class KeptTensor:
         return tensor
 
 
-class Record:
+class _WeakReferable:
+    """The weak-reference slot of the slotted :class:`Record`.
+
+    The engine refers to records weakly; ``dataclass(weakref_slot=True)`` needs Python 3.11.
+    """
+
+    __slots__ = ("__weakref__",)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Record(_WeakReferable):
     """One offloaded tensor: its host copy, the events that order it, and its device state.
 
+    Built from the tensor it offloads (``tensor``, not kept as a field) and the host block its
+    copy goes to. Compared by identity (``eq=False``): the engine keys tables by records.
+
     Attributes:
+        owner: The engine that made it.
         sequence: Pack order on its channel; backward unpacks in roughly decreasing order.
+        block: The host block holding the copy, exactly its size.
+        version: The original's version counter when it was saved.
+        pipelined: Whether its copies run on the side stream (else synchronously).
         device_tensor: The device original while the engine still holds it (stash or copy in
             flight), else None.
         original: Weak reference to the original tensor, to serve it again without a copy when
             something else keeps it alive.
-        host: The host copy (a view of ``block``, which has exactly its size), shaped and
-            strided like the original.
-        copy_event: Event of the copy to the host (None when synchronous).
-        prefetched: A device copy brought back ahead of its unpack and its event, as
-            ``Channel.copy_in`` returned them.
-        modified: Set when the original was seen modified in place before its copy completed.
+        host: The host copy (a view of ``block``), shaped and strided like the original.
         witness: Shares the original's version counter without holding its memory, so writes
             through any alias are seen in backward. See Note [Version witness] in
             ``matepoint_compat._version_counter``.
         compute: The compute stream current when it was packed (the stream the checkpointed
             function read it on), for ordering the release of the device original.
-        unpacks: How many times autograd unpacked it (twice with ``retain_graph``).
-        packs: How many checkpoints saved it (more than one when dedupe shared it).
         last_use: Pack sequence of the newest checkpoint that saved it: where backward first
             needs it.
+        copy_event: Event of the copy to the host (None when synchronous).
+        prefetched: A device copy brought back ahead of its unpack and its event, as
+            ``Channel.copy_in`` returned them.
+        modified: Set when the original was seen modified in place before its copy completed.
+        unpacks: How many times autograd unpacked it (twice with ``retain_graph``).
+        packs: How many checkpoints saved it (more than one when dedupe shared it).
         fetched: For a record several checkpoints share, the device copy the first of them
             fetched in this backward, served to the others so it crosses the link once.
     """
 
-    __slots__ = (
-        "__weakref__",
-        "block",
-        "compute",
-        "copy_event",
-        "device_tensor",
-        "fetched",
-        "host",
-        "key",
-        "last_use",
-        "modified",
-        "nbytes",
-        "original",
-        "owner",
-        "packs",
-        "pipelined",
-        "prefetched",
-        "sequence",
-        "unpacks",
-        "version",
-        "witness",
-    )
+    owner: RecordOwner
+    sequence: int
+    block: HostBlock
+    version: int
+    pipelined: bool
+    tensor: dataclasses.InitVar[torch.Tensor]
+    device_tensor: torch.Tensor | None = dataclasses.field(init=False)
+    original: weakref.ref[torch.Tensor] = dataclasses.field(init=False)
+    host: torch.Tensor = dataclasses.field(init=False)
+    witness: torch.Tensor = dataclasses.field(init=False)
+    compute: Any = dataclasses.field(init=False)
+    last_use: int = dataclasses.field(init=False)
+    copy_event: Any = None
+    prefetched: tuple[torch.Tensor, Any] | None = None
+    modified: bool = False
+    unpacks: int = 0
+    packs: int = 1
+    fetched: torch.Tensor | None = None
 
-    def __init__(
-        self,
-        *,
-        owner: RecordOwner,
-        sequence: int,
-        original: torch.Tensor,
-        version: int,
-        block: HostBlock,
-        key: tuple[Any, ...],
-        pipelined: bool,
-    ) -> None:
-        self.owner = owner
-        self.sequence = sequence
-        self.device_tensor: torch.Tensor | None = original
-        self.original = weakref.ref(original)
-        self.host = block.buffer.view(original.dtype).as_strided(original.shape, original.stride())
-        self.block = block
-        self.key = key
-        self.nbytes = block.nbytes
-        self.version = version
-        self.pipelined = pipelined
-        self.copy_event: Any = None
-        self.prefetched: tuple[torch.Tensor, Any] | None = None
-        self.modified = False
-        self.unpacks = 0
-        self.packs = 1
-        self.last_use = sequence
-        self.fetched: torch.Tensor | None = None
-        self.witness = compat.version_witness(original)
-        self.compute = owner.channel.current_compute()
+    def __post_init__(self, tensor: torch.Tensor) -> None:
+        self.device_tensor = tensor
+        self.original = weakref.ref(tensor)
+        self.host = self.block.buffer.view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
+        self.witness = compat.version_witness(tensor)
+        self.compute = self.owner.channel.current_compute()
+        self.last_use = self.sequence
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the offloaded tensor (its host block has exactly this size)."""
+        return self.block.nbytes
 
     def __del__(self) -> None:
         # See Note [Record lifetime]: no locks here.
         if self.device_tensor is not None:
             copying = self.copy_event is not None
             self.owner.channel.release_original(self.device_tensor, self.compute, copying)
-        self.owner.graveyard.append((self.block, self.key, self.sequence))
+        self.owner.graveyard.append(self.block)

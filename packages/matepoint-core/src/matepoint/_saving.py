@@ -142,12 +142,9 @@ def stay_reason(
 
 def count_kept(counters: Counters, reason: KeepReason) -> None:
     """Count a saved input kept in place under its reason (the 0-element dummy is not counted)."""
-    if reason == "small":
-        counters.skipped_small += 1
-    elif reason == "parameter":
-        counters.skipped_parameters += 1
-    elif reason == "other":
-        counters.skipped_other += 1
+    if reason != "empty":
+        name = "skipped_parameters" if reason == "parameter" else f"skipped_{reason}"
+        setattr(counters, name, getattr(counters, name) + 1)
 
 
 def pack(tensor: torch.Tensor, options: ResolvedOptions) -> Record | KeptTensor:
@@ -167,7 +164,7 @@ def pack(tensor: torch.Tensor, options: ResolvedOptions) -> Record | KeptTensor:
     if reason is None:
         engine = engine_of(tensor, plan)
         if engine is not None:
-            record = engine.offload(tensor, options, options.pipelined)
+            record = engine.offload(tensor, options)
             if plan is not None:
                 plan.saved(tensor, "offloaded" if record.packs == 1 else "shared")
             return record
