@@ -10,6 +10,7 @@ inputs live until backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterable
@@ -24,8 +25,8 @@ from matepoint import _compiled
 from matepoint._options import (
     OffloadOptions,
     ResolvedOptions,
+    check_misplaced_settings,
     get_options,
-    misplaced_setting_error,
     resolve,
 )
 from matepoint._registry import planning
@@ -47,6 +48,8 @@ _CHECKPOINT_OPTION_NAMES = frozenset(
 # Arguments passed through as they are: plain values, and tensors given positionally.
 _PLAIN_TYPES = (int, float, bool, str, type(None))
 _SIMPLE_LEAF_TYPES = (torch.Tensor, *_PLAIN_TYPES)
+# What checkpoint runs under when it offloads nothing (nullcontext keeps no state).
+_NO_HOOKS = contextlib.nullcontext()
 
 
 # The hooks of the last call: a training loop repeats one set of options (``resolve`` returns
@@ -62,18 +65,12 @@ def _hooks_for(options: ResolvedOptions) -> saved_tensors_hooks:
     """
     global _last_hooks
     last = _last_hooks
-    if last is not None and last[0] is options:
-        return last[1]
-
-    def pack_hook(tensor: torch.Tensor) -> Any:
-        return pack(tensor, options)
-
-    def unpack_hook(saved: Any) -> torch.Tensor:
-        return unpack(saved, options)
-
-    hooks = saved_tensors_hooks(pack_hook, unpack_hook)
-    _last_hooks = (options, hooks)
-    return hooks
+    if last is None or last[0] is not options:
+        hooks = saved_tensors_hooks(
+            functools.partial(pack, options=options), functools.partial(unpack, options=options)
+        )
+        last = _last_hooks = (options, hooks)
+    return last[1]
 
 
 def _needs_flattening(args: tuple[Any, ...], function_kwargs: dict[str, Any]) -> bool:
@@ -94,31 +91,25 @@ def _flattened_call(
 
     See Note [Keyword tensors and device RNG state] for which keyword tensors stay keywords.
     """
-    arg_leaves, arg_spec = compat.tree_flatten(args)
-    kwarg_leaves, kwarg_spec = compat.tree_flatten(function_kwargs)
-    positional_count = len(arg_leaves)
     # Every positional tensor is on one of these devices, so all of them are lifted.
     devices = {torch.device("cpu")}
-    devices.update(leaf.device for leaf in arg_leaves if isinstance(leaf, torch.Tensor))
-    leaves = arg_leaves + kwarg_leaves
-    positions = [
+    devices.update(leaf.device for leaf in compat.tree_flatten(args)[0] if torch.is_tensor(leaf))
+    leaves, spec = compat.tree_flatten((args, function_kwargs))
+    lifted = {
         index
         for index, leaf in enumerate(leaves)
         if isinstance(leaf, torch.Tensor) and leaf.device in devices
-    ]
-    tensors = tuple(leaves[index] for index in positions)
+    }
+    tensors = tuple(leaf for index, leaf in enumerate(leaves) if index in lifted)
     # torch keeps ``run`` until backward: it must not reference the tensors it is given, or
     # their device memory could never be released after the offload. Keyword tensors left in
     # place are held by reference, as torch holds every keyword argument.
-    lifted_positions = set(positions)
-    template = [None if index in lifted_positions else leaf for index, leaf in enumerate(leaves)]
+    template = [None if index in lifted else leaf for index, leaf in enumerate(leaves)]
 
     def run(*tensor_args: torch.Tensor) -> Any:
-        filled = list(template)
-        for index, tensor in zip(positions, tensor_args, strict=True):
-            filled[index] = tensor
-        call_args = compat.tree_unflatten(filled[:positional_count], arg_spec)
-        call_kwargs = compat.tree_unflatten(filled[positional_count:], kwarg_spec)
+        given = iter(tensor_args)
+        filled = [next(given) if index in lifted else leaf for index, leaf in enumerate(template)]
+        call_args, call_kwargs = compat.tree_unflatten(filled, spec)
         return function(*call_args, **call_kwargs)
 
     return run, tensors
@@ -216,15 +207,26 @@ def checkpoint(
         ...     return block(h) * scale
         >>> y = mlp(x, scale=2.0)
     """
-    if function is None:
-        if args:
-            raise TypeError("checkpoint() got positional arguments but no function to run")
-        # Checked now, not at the first call: the decorator line is the one to fix.
-        resolve(offload, pipeline)
-        compat.pop_legacy_checkpoint_kwargs(kwargs)
-        return _decorator(use_reentrant=use_reentrant, pipeline=pipeline, offload=offload, **kwargs)
-    compat.pop_legacy_checkpoint_kwargs(kwargs, function=function)
-    return _checkpoint(function, args, kwargs, use_reentrant, pipeline, offload)
+    if function is not None:
+        compat.pop_legacy_checkpoint_kwargs(kwargs, function=function)
+        return _checkpoint(function, args, kwargs, use_reentrant, pipeline, offload)
+    if args:
+        raise TypeError("checkpoint() got positional arguments but no function to run")
+    # Checked now, not at the first call: the decorator line is the one to fix.
+    resolve(offload, pipeline)
+    compat.pop_legacy_checkpoint_kwargs(kwargs)
+
+    def decorate(decorated: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(decorated)
+        def checkpointed(*call_args: Any, **call_kwargs: Any) -> Any:
+            # Here, so that a 0.1.x keyword's warning points at the caller's line.
+            compat.pop_legacy_checkpoint_kwargs(call_kwargs, function=decorated)
+            merged = {**kwargs, **call_kwargs}
+            return _checkpoint(decorated, call_args, merged, use_reentrant, pipeline, offload)
+
+        return checkpointed
+
+    return decorate
 
 
 def _checkpoint(
@@ -248,9 +250,7 @@ def _checkpoint(
         name: kwargs.pop(name) for name in list(kwargs) if name in _CHECKPOINT_OPTION_NAMES
     }
     if kwargs:
-        error = misplaced_setting_error(kwargs, function)
-        if error is not None:
-            raise error
+        check_misplaced_settings(kwargs, function)
     plan = planning()
     if plan is not None:  # See Note [Planning scope] in matepoint._registry.
         if plan.strategy == "none":
@@ -259,50 +259,30 @@ def _checkpoint(
         if plan.context_fn is not None and not reentrant:
             checkpoint_options["context_fn"] = plan.context_fn
     adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)
+    # Without options, with nothing to save, or under an outer saved-tensor hook (another
+    # checkpoint's forward or recomputation, save_on_cpu) that owns the saved inputs, the call is
+    # plain torch checkpoint.
+    hooks: contextlib.AbstractContextManager[None] = _NO_HOOKS
     if (
-        options is None
-        or not torch.is_grad_enabled()
-        or compat.saved_tensors_hooks_active()
-        or not compat.saved_tensors_hooks_enabled()
+        options is not None
+        and torch.is_grad_enabled()
+        and not compat.saved_tensors_hooks_active()
+        and compat.saved_tensors_hooks_enabled()
     ):
-        # Nothing to save, or an outer saved-tensor hook (another checkpoint's forward or
-        # recomputation, save_on_cpu) owns the saved inputs: plain torch checkpoint.
-        with adapted:
-            return torch_checkpoint.checkpoint(
-                function, *args, use_reentrant=use_reentrant, **checkpoint_options, **kwargs
-            )
-    context_fn = checkpoint_options.get("context_fn", torch_checkpoint.noop_context_fn)
-    if not reentrant and context_fn is not torch_checkpoint.noop_context_fn:
-        # See Note [Offloading what a selective policy saves] (matepoint/_selective.py).
-        checkpoint_options["context_fn"] = offload_policy_outputs(context_fn, options)
-    if not reentrant and _needs_flattening(args, kwargs):
-        function, args = _flattened_call(function, args, kwargs)
-        kwargs = {}
+        hooks = _hooks_for(options)
+        context_fn = checkpoint_options.get("context_fn", torch_checkpoint.noop_context_fn)
+        if not reentrant and context_fn is not torch_checkpoint.noop_context_fn:
+            # See Note [Offloading what a selective policy saves] (matepoint/_selective.py).
+            checkpoint_options["context_fn"] = offload_policy_outputs(context_fn, options)
+        if not reentrant and _needs_flattening(args, kwargs):
+            function, args = _flattened_call(function, args, kwargs)
+            kwargs = {}
     # unwind_failed_checkpoint: on torch < 2.13 a raising function leaves torch's hooks pushed
-    # above ours; it pops them first, so ours pop their own.
-    with adapted, _hooks_for(options), compat.unwind_failed_checkpoint():
+    # above any context around the call; it pops them first, so such a context pops its own.
+    with adapted, hooks, compat.unwind_failed_checkpoint():
         return torch_checkpoint.checkpoint(
             function, *args, use_reentrant=use_reentrant, **checkpoint_options, **kwargs
         )
-
-
-def _decorator(
-    use_reentrant: bool | None,
-    pipeline: bool,
-    offload: OffloadOptions | bool | None,
-    **checkpoint_kwargs: Any,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(function)
-        def checkpointed(*args: Any, **kwargs: Any) -> Any:
-            # Here, so that a 0.1.x keyword's warning points at the caller's line.
-            compat.pop_legacy_checkpoint_kwargs(kwargs, function=function)
-            merged = {**checkpoint_kwargs, **kwargs}
-            return _checkpoint(function, args, merged, use_reentrant, pipeline, offload)
-
-        return checkpointed
-
-    return decorate
 
 
 def checkpoint_sequential(
@@ -356,10 +336,9 @@ def checkpoint_sequential(
             stacklevel=2,
         )
         use_reentrant = True
-    if isinstance(functions, torch.nn.Sequential):
-        function_list: list[Callable[[Any], Any]] = list(functions.children())
-    else:
-        function_list = list(functions)
+    function_list: list[Callable[[Any], Any]] = list(
+        functions.children() if isinstance(functions, torch.nn.Sequential) else functions
+    )
     if segments < 1:
         raise ValueError(f"checkpoint_sequential() needs segments >= 1, got {segments}")
 
@@ -374,12 +353,7 @@ def checkpoint_sequential(
     segment_size = len(function_list) // segments
     last_start = segment_size * (segments - 1)
     for start in range(0, last_start, segment_size):
-        input = checkpoint(
-            run_segment(start, start + segment_size),
-            input,
-            use_reentrant=use_reentrant,
-            pipeline=pipeline,
-            offload=offload,
-            preserve_rng_state=preserve,
-        )
+        segment = run_segment(start, start + segment_size)
+        options = {"preserve_rng_state": preserve}
+        input = _checkpoint(segment, (input,), options, use_reentrant, pipeline, offload)
     return run_segment(last_start, len(function_list))(input)

@@ -32,9 +32,9 @@ __all__ = [
     "OffloadOptions",
     "OffloadSettings",
     "ResolvedOptions",
+    "check_misplaced_settings",
     "configure",
     "get_options",
-    "misplaced_setting_error",
     "options",
     "resolve",
 ]
@@ -44,16 +44,32 @@ PoolExhaustedPolicy = Literal["pageable", "raise"]
 _MIB = 1 << 20
 
 
-def _check_count(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+# What each field's annotation accepts (a string, under ``from __future__ import annotations``),
+# and how an error says it.
+_ACCEPTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (
+        lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+        "an int >= 0",
+    ),
+    "int | None": (lambda value: value is None or _ACCEPTED["int"][0](value), "an int >= 0"),
+    "bool": (lambda value: isinstance(value, bool), "True or False"),
+    "bool | None": (lambda value: value is None or isinstance(value, bool), "True, False or None"),
+    "PoolExhaustedPolicy": (lambda value: value in ("pageable", "raise"), "'pageable' or 'raise'"),
+}
+
+
+def _check(owner: str, name: str, kind: str, value: object) -> None:
+    accepts, allowed = _ACCEPTED[kind]
+    if not accepts(value):
         unit = " (a number of bytes, e.g. 1 << 30 for 1 GiB)" if name.endswith("_bytes") else ""
-        raise ValueError(f"{owner}.{name} must be an int >= 0{unit}, got {value!r}")
+        raise ValueError(f"{owner}.{name} must be {allowed}{unit}, got {value!r}")
 
 
-def _check_flag(owner: str, name: str, value: object, *, optional: bool = False) -> None:
-    if not isinstance(value, bool) and not (optional and value is None):
-        allowed = "True, False or None" if optional else "True or False"
-        raise ValueError(f"{owner}.{name} must be {allowed}, got {value!r}")
+def _check_fields(instance: Any) -> None:
+    """Check every field of the dataclass ``instance`` whose annotation :data:`_ACCEPTED` knows."""
+    for field in dataclasses.fields(instance):
+        if field.type in _ACCEPTED:
+            _check(type(instance).__name__, field.name, field.type, getattr(instance, field.name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,18 +131,7 @@ class OffloadSettings:
     compiled_offload: bool = False
 
     def __post_init__(self) -> None:
-        owner = type(self).__name__
-        for name in ("min_offload_bytes", "stash_bytes", "prefetch", "max_inflight_bytes"):
-            _check_count(owner, name, getattr(self, name))
-        if self.pool_cap_bytes is not None:
-            _check_count(owner, "pool_cap_bytes", self.pool_cap_bytes)
-        if self.on_pool_exhausted not in ("pageable", "raise"):
-            raise ValueError(
-                f"{owner}.on_pool_exhausted must be 'pageable' or 'raise', "
-                f"got {self.on_pool_exhausted!r}"
-            )
-        for name in ("pipeline", "measure_waits", "compiled_offload"):
-            _check_flag(owner, name, getattr(self, name))
+        _check_fields(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +149,8 @@ _SETTING_FIELDS = frozenset(field.name for field in dataclasses.fields(OffloadSe
 _DEVICE_FIELDS = _SETTING_FIELDS - {"min_offload_bytes", "pipeline", "compiled_offload"}
 _CALL_FIELDS = frozenset({"enabled", "pipeline", "min_offload_bytes"})
 _DELAY = DELAY_SETTING
+# Names that checkpoint() refuses as its own keywords unless the function takes them.
+_OFFLOAD_NAMES = _SETTING_FIELDS | _CALL_FIELDS | {_DELAY}
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -197,34 +204,25 @@ class OffloadOptions:
         deprecated_settings: tuple[tuple[str, Any], ...] = (),
         **deprecated: Any,
     ) -> None:
-        unknown = sorted(set(deprecated) - _DEVICE_FIELDS - {_DELAY})
+        carried = {**dict(deprecated_settings), **deprecated}
+        unknown = sorted(set(carried) - _DEVICE_FIELDS - {_DELAY})
         if unknown:
             raise TypeError(
-                f"unknown offload option(s) {', '.join(unknown)}; valid: enabled, pipeline, "
-                "min_offload_bytes (device settings go to matepoint.configure: "
-                f"{', '.join(sorted(_DEVICE_FIELDS))})"
+                f"unknown offload option(s) {', '.join(unknown)} (given directly or in "
+                "deprecated_settings); valid: enabled, pipeline, min_offload_bytes (device "
+                f"settings go to matepoint.configure: {', '.join(sorted(_DEVICE_FIELDS))})"
             )
-        _check_flag("OffloadOptions", "enabled", enabled)
-        _check_flag("OffloadOptions", "pipeline", pipeline, optional=True)
-        if min_offload_bytes is not None:
-            _check_count("OffloadOptions", "min_offload_bytes", min_offload_bytes)
-        carried = dict(deprecated_settings)
-        if set(carried) - _DEVICE_FIELDS - {_DELAY}:
-            raise TypeError(
-                "OffloadOptions.deprecated_settings holds what an OffloadOptions was given; "
-                f"got {deprecated_settings!r}"
-            )
+        # The test delay is the transport's now: per call it does nothing (its warning says so).
+        settings = _checked_values(carried, "OffloadOptions")
+        self.__dict__.update(
+            enabled=enabled,
+            pipeline=pipeline,
+            min_offload_bytes=min_offload_bytes,
+            deprecated_settings=tuple(sorted(settings.items())),
+        )
+        _check_fields(self)
         if deprecated:
-            # Validate through the settings' own checks, with the settings' defaults elsewhere.
-            ResolvedOptions(**{name: value for name, value in deprecated.items() if name != _DELAY})
-            if _DELAY in deprecated:
-                _check_count("OffloadOptions", _DELAY, deprecated[_DELAY])
             warn_per_call_settings(deprecated)
-        carried.update(deprecated)
-        object.__setattr__(self, "enabled", enabled)
-        object.__setattr__(self, "pipeline", pipeline)
-        object.__setattr__(self, "min_offload_bytes", min_offload_bytes)
-        object.__setattr__(self, "deprecated_settings", tuple(sorted(carried.items())))
 
 
 # Note [Settings layers]
@@ -239,19 +237,34 @@ _lock = threading.Lock()
 _base = OffloadSettings()
 _layers: list[dict[str, Any]] = []
 _defaults = _base
-# The last resolution, reused while neither the settings nor the call's choices change (the
-# settings and options are frozen and held here, so identity is a safe key). See resolve().
-_last: tuple[OffloadSettings, OffloadOptions | None, bool, bool, ResolvedOptions] | None = None
+# The last resolution and what it was resolved from, reused while neither the settings nor the
+# call's choices change. See resolve().
+_last: tuple[tuple[OffloadSettings, OffloadOptions | None, bool, bool], ResolvedOptions] | None = (
+    None
+)
 
 
 def _rebuild() -> OffloadSettings:
     """Recompute the settings in force from the base and the open layers (under ``_lock``)."""
     global _defaults
-    merged: dict[str, Any] = {}
-    for layer in _layers:
-        merged.update(layer)
+    merged = {name: value for layer in _layers for name, value in layer.items()}
     _defaults = dataclasses.replace(_base, **merged) if merged else _base
     return _defaults
+
+
+def _checked_values(fields: dict[str, Any], owner: str) -> dict[str, Any]:
+    """Check the values of ``fields`` as settings; return them without the deprecated test delay.
+
+    Raises:
+        ValueError: For a value out of range, naming ``owner``.
+    """
+    settings = {name: value for name, value in fields.items() if name != _DELAY}
+    try:
+        _check("settings", _DELAY, "int", fields.get(_DELAY, 0))
+        OffloadSettings(**settings)
+    except ValueError as error:
+        raise ValueError(f"{owner}: {error}") from None
+    return settings
 
 
 def _checked(fields: dict[str, Any], owner: str, stacklevel: int) -> dict[str, Any]:
@@ -268,13 +281,7 @@ def _checked(fields: dict[str, Any], owner: str, stacklevel: int) -> dict[str, A
         )
     if _DELAY in fields:
         warn_delay_setting(stacklevel)
-        _check_count("settings", _DELAY, fields[_DELAY])
-    settings = {name: value for name, value in fields.items() if name != _DELAY}
-    try:
-        dataclasses.replace(_base, **settings)
-    except ValueError as error:
-        raise ValueError(f"{owner}: {error}") from None
-    return settings
+    return _checked_values(fields, owner)
 
 
 def get_options() -> OffloadSettings:
@@ -360,58 +367,44 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
     finally:
         with _lock:
             # By identity: two blocks may set equal fields.
-            for index, open_layer in enumerate(_layers):
-                if open_layer is layer:
-                    del _layers[index]
-                    break
+            _layers[:] = [open_layer for open_layer in _layers if open_layer is not layer]
             _rebuild()
             if _DELAY in fields:
                 set_side_stream_delay(previous_delay)
 
 
-def misplaced_setting_error(
+def check_misplaced_settings(
     function_kwargs: dict[str, Any], function: Callable[..., object]
-) -> TypeError | None:
-    """The error for an offload option or setting passed as a keyword of ``checkpoint`` itself.
+) -> None:
+    """Refuse an offload option or setting passed as a keyword of ``checkpoint`` itself.
 
     ``checkpoint(fn, x, prefetch=4)`` would reach ``fn`` as a keyword argument and fail there
     with Python's bare "unexpected keyword argument". A name ``function`` itself takes is its own
     business and is left alone.
+
+    Raises:
+        TypeError: Saying where the first such name (in sorted order) belongs.
     """
-    misplaced = sorted(
-        name
-        for name in function_kwargs
-        if (name in _SETTING_FIELDS or name in _CALL_FIELDS or name == _DELAY)
-        and not accepts_keyword(function, name)
+    name = min(
+        (
+            name
+            for name in function_kwargs
+            if name in _OFFLOAD_NAMES and not accepts_keyword(function, name)
+        ),
+        default=None,
     )
-    if not misplaced:
-        return None
-    name = misplaced[0]
-    value = function_kwargs[name]
-    if name in _CALL_FIELDS:
-        where = f"pass offload=matepoint.OffloadOptions({name}={value!r}) for this call"
-    else:
-        where = (
-            f"it is a device setting: matepoint.configure({name}={value!r}), or "
-            f"`with matepoint.options({name}={value!r}):` around the calls"
-        )
-    return TypeError(
+    if name is None:
+        return
+    given = f"{name}={function_kwargs[name]!r}"
+    where = (
+        f"pass offload=matepoint.OffloadOptions({given}) for this call"
+        if name in _CALL_FIELDS
+        else f"it is a device setting: matepoint.configure({given}), or "
+        f"`with matepoint.options({given}):` around the calls"
+    )
+    raise TypeError(
         f"checkpoint() got an unexpected keyword argument {name!r}, which the checkpointed "
         f"function does not take; {where}"
-    )
-
-
-def _check_offload_argument(call: object) -> None:
-    if call is None or isinstance(call, (bool, OffloadOptions)):
-        return
-    raise TypeError(
-        "checkpoint() offload= must be an OffloadOptions, True, False or None, "
-        f"got {type(call).__name__}"
-        + (
-            "; device settings are set with matepoint.configure(...) or matepoint.options(...)"
-            if isinstance(call, OffloadSettings)
-            else ""
-        )
     )
 
 
@@ -431,34 +424,30 @@ def resolve(call: OffloadOptions | bool | None, pipeline: bool = True) -> Resolv
     global _last
     if pipeline is not True and pipeline is not False:
         raise TypeError(f"checkpoint() pipeline= must be True or False, got {pipeline!r}")
-    if call is False:
+    given: object = call  # as the caller passed it, unchecked
+    if given is not None and not isinstance(given, (bool, OffloadOptions)):
+        hint = (
+            "; device settings are set with matepoint.configure(...) or matepoint.options(...)"
+            if isinstance(given, OffloadSettings)
+            else ""
+        )
+        raise TypeError(
+            "checkpoint() offload= must be an OffloadOptions, True, False or None, "
+            f"got {type(given).__name__}{hint}"
+        )
+    if call is False or (isinstance(call, OffloadOptions) and not call.enabled):
         return None
-    if call is True:
-        call = None
-    else:
-        _check_offload_argument(call)
-    settings = _defaults
-    legacy_off = legacy_pipeline_disabled()
+    chosen = None if call is True else call
+    key = (_defaults, chosen, pipeline, legacy_pipeline_disabled())
     last = _last
-    if (
-        last is not None
-        and last[0] is settings
-        and last[1] is call
-        and last[2] == pipeline
-        and last[3] == legacy_off
-    ):
-        return last[4]
-    if call is not None and not call.enabled:
-        return None
-    fields = dataclasses.asdict(settings)
-    if call is not None:
-        # The test delay is the transport's now: per call it does nothing (its warning says so).
-        fields.update(item for item in call.deprecated_settings if item[0] != _DELAY)
-        if call.pipeline is not None:
-            fields["pipeline"] = call.pipeline
-        if call.min_offload_bytes is not None:
-            fields["min_offload_bytes"] = call.min_offload_bytes
-    fields["pipelined"] = pipeline and fields["pipeline"] and not legacy_off
+    if last is not None and last[0] == key:
+        return last[1]
+    fields = dataclasses.asdict(_defaults)
+    if chosen is not None:
+        own = {"pipeline": chosen.pipeline, "min_offload_bytes": chosen.min_offload_bytes}
+        fields.update(chosen.deprecated_settings)
+        fields.update((name, value) for name, value in own.items() if value is not None)
+    fields["pipelined"] = pipeline and fields["pipeline"] and not key[3]
     resolved = ResolvedOptions(**fields)
-    _last = (settings, call, pipeline, legacy_off, resolved)
+    _last = (key, resolved)
     return resolved
