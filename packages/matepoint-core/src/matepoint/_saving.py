@@ -18,28 +18,7 @@ from matepoint._records import KeptTensor, Record
 from matepoint._registry import engine_of, planning, transport
 from matepoint._stats import Counters
 
-__all__ = [
-    "KeepReason",
-    "count_kept",
-    "keep_reason",
-    "kept_counters",
-    "pack",
-    "stay_reason",
-    "unpack",
-]
-
-
-def _is_dense(tensor: torch.Tensor) -> bool:
-    """Whether the tensor's elements fill exactly ``numel`` storage slots, without overlap."""
-    if tensor.is_contiguous():
-        return True
-    expected = 1
-    # Innermost first; a size-1 dimension may have any stride and changes nothing.
-    for stride, size in sorted(zip(tensor.stride(), tensor.shape, strict=True)):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+__all__ = ["KeepReason", "count_kept", "kept_counters", "pack", "stay_reason", "unpack"]
 
 
 # Counts of tensors left in place (not per device), under ``_kept_lock``.
@@ -62,56 +41,8 @@ def _offloadable_dtypes() -> frozenset[torch.dtype]:
 _OFFLOADABLE_DTYPES = _offloadable_dtypes()
 
 
-def _stays_on_device(tensor: torch.Tensor) -> bool:
-    """Whether a tensor must be left where it is, whatever its size.
-
-    Conj and neg views carry a lazy bit that a non-blocking device-to-host copy does not honour
-    (pytorch/pytorch#146286), and a copy into a plain host view would drop the bit. Nested
-    tensors and non-strided layouts have no single strided block to copy.
-    """
-    return (
-        tensor.is_nested
-        or tensor.layout != torch.strided
-        or tensor.is_quantized
-        or tensor.dtype not in _OFFLOADABLE_DTYPES
-        or tensor.is_conj()
-        or tensor.is_neg()
-        or tensor.is_inference()
-    )
-
-
 KeepReason = Literal["parameter", "other", "small", "empty"]
 """Why a saved input stays where it is; ``"empty"`` is torch 2.4-2.11's 0-element dummy."""
-
-
-def keep_reason(
-    tensor: torch.Tensor, min_offload_bytes: int, *, traced_nbytes: int | None = None
-) -> KeepReason | None:
-    """Why a saved input stays where it is, whatever device it is on; None if it may move.
-
-    The keep rules matepoint's pack hook applies before it asks about the device (a tensor
-    that passes must still be on an offloadable device and dense); the planner applies the
-    same rules. Views of a parameter keep the parameter's memory alive anyway, so moving them
-    frees nothing.
-
-    Args:
-        traced_nbytes: Given for a value of a compiled graph (a fake tensor standing for a plain
-            tensor the graph computes): its bytes (the traced example's, with dynamic shapes).
-            The type and parameter rules are then the graph's: AOTAutograd has flattened tensor
-            subclasses, and parameters are graph inputs, which the compiled path never moves.
-    """
-    if traced_nbytes is None:
-        if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
-            return "parameter" if isinstance(tensor, torch.nn.Parameter) else "other"
-        # See Note [Private tensor attributes read directly] in matepoint_compat.
-        if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
-            return "parameter"
-    if _stays_on_device(tensor):
-        return "other"
-    nbytes = tensor.numel() * tensor.element_size() if traced_nbytes is None else traced_nbytes
-    if nbytes < max(min_offload_bytes, 1):
-        return "small" if nbytes else "empty"
-    return None
 
 
 def stay_reason(
@@ -124,20 +55,50 @@ def stay_reason(
     """Why a saved input stays where it is, by every rule; None if it moves.
 
     The one answer to "does this saved input move?" for the pack hook and for the compiled
-    path's joint-graph pass (See Note [The compiled path] in ``matepoint._compiled``): the keep
-    rules (:func:`keep_reason`), then the device (the transport's ``channel_key``: None where
-    it does not offload) and the layout (dense: one block of storage to copy).
+    path's joint-graph pass (See Note [The compiled path] in ``matepoint._compiled``); the
+    planner applies the same rules through the pack hook. In order: the type (parameters and
+    their views: moving a view of a parameter frees nothing, the parameter keeps its memory),
+    what cannot be copied as one block, the size, then the device (the transport's
+    ``channel_key``: None where it does not offload) and the layout (dense: one block of storage
+    to copy).
 
     Args:
         tensor: The saved input (or, with ``traced_nbytes``, a compiled graph's value).
         min_offload_bytes: The call's minimum size to move.
         channel_key: The active transport's ``channel_key``.
-        traced_nbytes: As in :func:`keep_reason`.
+        traced_nbytes: Given for a value of a compiled graph (a fake tensor standing for a plain
+            tensor the graph computes): its bytes (the traced example's, with dynamic shapes).
+            The type and parameter rules are then the graph's: AOTAutograd has flattened tensor
+            subclasses, and parameters are graph inputs, which the compiled path never moves.
     """
-    reason = keep_reason(tensor, min_offload_bytes, traced_nbytes=traced_nbytes)
-    if reason is None and (channel_key(tensor) is None or not _is_dense(tensor)):
+    if traced_nbytes is None:
+        if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
+            return "parameter" if isinstance(tensor, torch.nn.Parameter) else "other"
+        # See Note [Private tensor attributes read directly] in matepoint_compat.
+        if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
+            return "parameter"
+    # Conj and neg views carry a lazy bit that a non-blocking device-to-host copy does not honour
+    # (pytorch/pytorch#146286), and a copy into a plain host view would drop the bit. Nested
+    # tensors and non-strided layouts have no single strided block to copy.
+    if (
+        tensor.is_nested
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or tensor.dtype not in _OFFLOADABLE_DTYPES
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.is_inference()
+    ):
         return "other"
-    return reason
+    nbytes = tensor.numel() * tensor.element_size() if traced_nbytes is None else traced_nbytes
+    if nbytes < max(min_offload_bytes, 1):
+        return "small" if nbytes else "empty"
+    # Dense: the elements fill exactly ``numel`` storage slots without overlap, that is, some
+    # order of the dimensions (by stride, innermost last) is contiguous.
+    by_stride = sorted(range(tensor.dim()), key=lambda dim: -tensor.stride(dim))
+    if channel_key(tensor) is None or not tensor.permute(by_stride).is_contiguous():
+        return "other"
+    return None
 
 
 def count_kept(counters: Counters, reason: KeepReason) -> None:
