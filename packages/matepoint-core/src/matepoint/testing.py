@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
 from collections import deque
@@ -57,20 +58,21 @@ class _FakeStream:
     """A FIFO of deferred copies, standing in for the side stream."""
 
     def __init__(self) -> None:
+        # Copies are only appended (a deque appends safely from any thread) and only popped
+        # under drain_lock, so no other thread pops between a drainer's look and its pop.
         self.pending: deque[tuple[Callable[[], object], _FakeEvent]] = deque()
-        self.lock = threading.Lock()
         self.drain_lock = threading.RLock()
 
-    def run_until(self, event: _FakeEvent) -> None:
+    def run_until(self, event: _FakeEvent | None) -> None:
+        """Run queued copies in order until ``event``'s has run (every queued one for None)."""
         # One thread drains at a time: another thread's run_until may have popped ``event``'s
         # copy and still be running it. Copies are not autograd operations (a stream copy is
         # not recorded), whatever the grad mode of the thread that reaches the sync point.
         with self.drain_lock, torch.no_grad():
-            while not event.done:
-                with self.lock:
-                    if not self.pending:
-                        raise AssertionError("event was never queued on this stream")
-                    operation, queued = self.pending.popleft()
+            while self.pending if event is None else not event.done:
+                if not self.pending:
+                    raise AssertionError("event was never queued on this stream")
+                operation, queued = self.pending.popleft()
                 operation()
                 queued.done = True
 
@@ -85,21 +87,13 @@ def _poison(tensor: torch.Tensor) -> None:
     torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage).fill_(POISON_BYTE)
 
 
-class _QueuedRead:
-    """A queued copy's claim on its source's memory once the source tensor itself is let go."""
-
-    __slots__ = ("memory",)
-
-    def __init__(self) -> None:
-        self.memory: torch.Tensor | None = None
-
-
 class _CPUTestChannel:
     def __init__(self, owner: CPUTestTransport) -> None:
         self.owner = owner
         self.side = _FakeStream()
-        # Queued copies by source, for release_original (weak keys: no tensor kept alive).
-        self.queued_reads: weakref.WeakKeyDictionary[Any, list[_QueuedRead]] = (
+        # Per source of a queued copy (weak keys: no tensor kept alive), the memory that
+        # release_original keeps for the copies once the source tensor itself is let go.
+        self.kept_memory: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = (
             torch.utils.weak.WeakTensorKeyDictionary()  # type: ignore[assignment]
         )
 
@@ -108,7 +102,7 @@ class _CPUTestChannel:
         if limit is not None and self.owner.pinned_bytes + nbytes > limit:
             raise RuntimeError("CUDA error: out of memory (simulated pinned host allocation)")
         self.owner.pinned_bytes += nbytes
-        block = torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8, device="cpu")
+        block = self.allocate_pageable(nbytes)
         self.owner.host_buffers.add(block.data_ptr())
         return block
 
@@ -125,14 +119,11 @@ class _CPUTestChannel:
         self.owner.copies_out += 1
         source_ref = weakref.ref(source)
         snapshot_version = source._version
-        read = _QueuedRead()
-        reads = self.queued_reads.setdefault(source, [])
-        reads.append(read)
+        kept = self.kept_memory.setdefault(source, [])
 
         def run() -> None:
-            reads.remove(read)
-            # The source itself, or the memory kept for this read once the source was let go.
-            alive = source_ref() if read.memory is None else read.memory
+            # The source itself, or the memory kept for the copy once the source was let go.
+            alive = kept[0] if kept else source_ref()
             if alive is None:
                 raise CopyReadFreedMemory(
                     "a copy to the host ran after its device source was released"
@@ -140,8 +131,8 @@ class _CPUTestChannel:
             if alive._version != snapshot_version:
                 # A real stream would read the modified bytes: poison makes that visible.
                 _poison(host)
-                return
-            host.copy_(alive)
+            else:
+                host.copy_(alive)
 
         return self._queue(run)
 
@@ -154,8 +145,7 @@ class _CPUTestChannel:
     def _queue(self, operation: Callable[[], object]) -> _FakeEvent:
         """Queue ``operation`` on the side stream (run at once in ``"immediate"`` mode)."""
         event = _FakeEvent()
-        with self.side.lock:
-            self.side.pending.append((operation, event))
+        self.side.pending.append((operation, event))
         if self.owner.completion == "immediate":
             self.side.run_until(event)
         return event
@@ -179,8 +169,7 @@ class _CPUTestChannel:
             # Stands in for record_stream on the side stream: the allocator keeps the memory
             # until queued copies finish. It keeps the memory only (a detached alias), never the
             # tensor: the tensor would keep its autograd graph, and the records in it, alive.
-            for read in self.queued_reads.get(tensor, ()):
-                read.memory = tensor.detach()
+            self.kept_memory.get(tensor, []).append(tensor.detach())
 
     def is_complete(self, event: Any) -> bool:
         if not event.done and self.owner.completion == "on_query":
@@ -195,6 +184,7 @@ class _CPUTestChannel:
         return 0.0
 
 
+@dataclasses.dataclass(eq=False)
 class CPUTestTransport:
     """Treat CPU tensors as device tensors and defer every copy to an explicit sync point.
 
@@ -220,20 +210,17 @@ class CPUTestTransport:
             stream its checkpoint ran on, on a real device).
     """
 
-    def __init__(
-        self,
-        completion: Literal["deferred", "on_query", "immediate"] = "deferred",
-        pinned_limit_bytes: int | None = None,
-    ) -> None:
-        if completion not in ("deferred", "on_query", "immediate"):
-            raise ValueError(f"unknown completion mode {completion!r}")
-        self.completion = completion
-        self.pinned_limit_bytes = pinned_limit_bytes
-        self.copies_out = 0
-        self.copies_in = 0
-        self.pinned_bytes = 0
-        self.originals_released = 0
-        self.host_buffers: set[int] = set()
+    completion: Literal["deferred", "on_query", "immediate"] = "deferred"
+    pinned_limit_bytes: int | None = None
+    host_buffers: set[int] = dataclasses.field(default_factory=set, init=False, repr=False)
+    copies_out: int = dataclasses.field(default=0, init=False)
+    copies_in: int = dataclasses.field(default=0, init=False)
+    pinned_bytes: int = dataclasses.field(default=0, init=False)
+    originals_released: int = dataclasses.field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.completion not in ("deferred", "on_query", "immediate"):
+            raise ValueError(f"unknown completion mode {self.completion!r}")
         self._channel = _CPUTestChannel(self)
 
     def channel_key(self, tensor: torch.Tensor) -> Hashable | None:
@@ -244,10 +231,7 @@ class CPUTestTransport:
 
     def drain(self) -> None:
         """Complete every queued copy (what a device synchronize would do)."""
-        with self._channel.side.lock:
-            last = self._channel.side.pending[-1][1] if self._channel.side.pending else None
-        if last is not None:
-            self._channel.side.run_until(last)
+        self._channel.side.run_until(None)
 
 
 @contextlib.contextmanager
