@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -26,8 +29,7 @@ def test_the_selective_peers_save_exactly_their_kinds() -> None:
 
 
 def test_the_peers_of_a_workload_are_named_and_runnable_on_a_cpu() -> None:
-    config = budget.WORKLOADS["llama-tiny"][0]
-    functions = budget._checkpoint_fns(config)
+    functions = budget._checkpoint_fns(budget.WORKLOADS["llama-tiny"])
     assert set(functions) == {
         "torch",
         "matepoint",
@@ -44,3 +46,45 @@ def test_the_peers_of_a_workload_are_named_and_runnable_on_a_cpu() -> None:
 def test_without_a_gpu_it_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert budget.main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().out
+
+
+def test_budget_sizes_and_names_resolve_against_the_measured_peaks() -> None:
+    assert budget.parse_bytes("24GiB") == 24 << 30
+    assert budget.parse_bytes("1.5GB") == 1_500_000_000
+    assert budget.parse_bytes("512MiB") == 512 << 20
+    assert budget.parse_bytes("4096") == 4096
+    peaks = {"torch": 100, "none": 300}
+    assert budget._budgets(["torch", "mid", "1KiB"], peaks) == {
+        "budget@torch": 100,
+        "budget@mid": 200,
+        "budget@1KiB": 1024,
+    }
+    # torch's checkpoint ran out of memory under a cap: only the fixed budget is left.
+    assert budget._budgets(["torch", "mid", "1KiB"], {"torch": -1, "none": -1}) == {
+        "budget@1KiB": 1024
+    }
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "nanochat12"])
+def test_each_workload_plans_on_the_meta_device(name: str) -> None:
+    memory_plan = budget._plan(budget.WORKLOADS[name])
+    assert 0 < memory_plan["matepoint"].peak_bytes <= memory_plan["none"].peak_bytes
+
+
+def test_the_hugging_face_workload_plans_through_matepoints_integration() -> None:
+    pytest.importorskip("transformers")
+    workload = budget.WORKLOADS["hf-llama16"]
+    memory_plan = budget._plan(workload)
+    # The layers' checkpoints are matepoint's: torch's checkpoint and none plan differently.
+    assert memory_plan["torch"].peak_bytes < memory_plan["none"].peak_bytes
+
+
+def test_the_frontier_is_drawn_from_saved_reports(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    data = Path(__file__).resolve().parents[4] / "docs" / "_data" / "budget-h200-llama8.json"
+    report = tmp_path / "report.json"
+    report.write_text(data.read_text())
+    out = tmp_path / "frontier.png"
+    assert budget.main(["--plot", str(out), str(report)]) == 0
+    assert out.stat().st_size > 0
+    assert "budget@torch" in json.loads(data.read_text())["rows"]

@@ -1,12 +1,17 @@
 """Budget plans on a GPU: measured peak and step against the plan, and against the peers.
 
 Run ``python -m matepoint_examples.bench.budget --workload llama8``. One process builds one
-Llama-style stack and one AdamW optimizer, measures torch's checkpoint and no checkpoint once,
-plans a budget step on the meta device for each budget (torch checkpoint's measured peak, and
-halfway to no checkpoint's), then runs every strategy alternately, step by step (see
-``matepoint_examples.bench._paired`` for why), and reports per strategy the median per-round
-step ratio to torch's checkpoint [interquartile range], the measured peak, and for the budget
-plans the predicted peak.
+model (a Llama-style stack, nanochat12, or a Hugging Face Llama) and one AdamW optimizer,
+measures torch's checkpoint and no checkpoint once, plans a budget step on the meta device for
+each budget (``--budgets``: torch checkpoint's measured peak, halfway to no checkpoint's, or a
+fixed size such as ``24GiB``; ``--device-memory 24GiB`` caps the process there with
+``torch.cuda.set_per_process_memory_fraction``), then runs every strategy alternately, step by
+step (see ``matepoint_examples.bench._paired`` for why), and reports per strategy the median
+per-round step ratio to torch's checkpoint [interquartile range], the measured peak, and for the
+budget plans the predicted peak. A strategy that runs out of memory is reported without a
+ratio. ``--compiled`` adds torch's compiled ``activation_memory_budget`` at each budget, for
+reference. ``--plot frontier.png report.json ...`` draws step ratio against peak memory from
+saved reports, without a GPU.
 
 Note [Calibrating the planned peak]
     The planner plans forward and backward of the stack. A training step also holds the
@@ -26,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,23 +39,159 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch import Tensor
+from torch import Tensor, nn
 
 import matepoint
+import matepoint.integrations
 from matepoint._budget_profile import op_kind
 from matepoint_examples.bench._paired import per_round_ratios, quartiles, round_order
-from matepoint_examples.models import LlamaConfig, LlamaStack
+from matepoint_examples.models import GPTConfig, LlamaConfig, LlamaStack, NanoGPT
 
-__all__ = ["WORKLOADS", "main", "selective_policy"]
+__all__ = [
+    "WORKLOADS",
+    "BudgetWorkload",
+    "main",
+    "parse_bytes",
+    "plot_frontier",
+    "selective_policy",
+]
 
 _GIB = float(1 << 30)
+CheckpointFn = Callable[..., Any]
 
-WORKLOADS: dict[str, tuple[LlamaConfig, int, int]] = {
-    "llama8": (LlamaConfig(depth=8, width=4096, ffn_width=14336, heads=32, seq_len=8192), 1, 8192),
-    "llama16": (LlamaConfig(depth=16, width=2048, ffn_width=7168, heads=16, seq_len=4096), 2, 4096),
-    "llama-tiny": (LlamaConfig(depth=2, width=64, ffn_width=128, heads=4, seq_len=64), 1, 64),
+
+@dataclasses.dataclass(frozen=True)
+class BudgetWorkload:
+    """A model of the budget benchmark: how to build it, feed it and point it at a checkpoint.
+
+    Attributes:
+        build: Makes the model (in bf16, on the device in force) and its inputs.
+        loss: The training loss of the model on its inputs.
+        set_checkpoint: Runs every block of the model through a ``checkpoint_fn``.
+        projections: The matrix products of one block, as op kinds, for torch's selective
+            peers: (every projection, the MLP's down projection).
+        hf: Whether it is a Hugging Face model (checkpointed through its own layers).
+    """
+
+    build: Callable[[], tuple[nn.Module, tuple[Tensor, ...]]]
+    loss: Callable[[nn.Module, tuple[Tensor, ...]], Tensor]
+    set_checkpoint: Callable[[nn.Module, CheckpointFn], None]
+    projections: tuple[frozenset[str], str]
+    hf: bool = False
+
+
+def _llama(config: LlamaConfig, batch: int) -> BudgetWorkload:
+    d, f = config.width, config.ffn_width
+
+    def build() -> tuple[nn.Module, tuple[Tensor, ...]]:
+        stack = LlamaStack(config).to(torch.bfloat16)
+        return stack, (torch.randn(batch, config.seq_len, d, dtype=torch.bfloat16),)
+
+    every = frozenset(
+        {f"matmul {d}x{3 * d}", f"matmul {d}x{d}", f"matmul {d}x{f}", f"matmul {f}x{d}"}
+    )
+    return BudgetWorkload(
+        build=build,
+        loss=lambda model, inputs: model(*inputs).float().square().mean(),
+        set_checkpoint=lambda model, fn: setattr(model, "checkpoint_fn", fn),
+        projections=(every, f"matmul {f}x{d}"),
+    )
+
+
+def _nanochat(depth: int, batch: int, seq_len: int) -> BudgetWorkload:
+    config = GPTConfig.from_depth(depth, seq_len=seq_len, x0_mixing=True)
+    d, hidden = config.width, config.mlp_ratio * config.width
+
+    def build() -> tuple[nn.Module, tuple[Tensor, ...]]:
+        model = NanoGPT(config).to(torch.bfloat16)
+        idx = torch.randint(0, config.vocab_size, (batch, seq_len))
+        return model, (idx, idx)
+
+    return BudgetWorkload(
+        build=build,
+        loss=lambda model, inputs: model(*inputs),
+        set_checkpoint=lambda model, fn: setattr(model, "checkpoint_fn", fn),
+        projections=(
+            frozenset({f"matmul {d}x{d}", f"matmul {d}x{hidden}", f"matmul {hidden}x{d}"}),
+            f"matmul {hidden}x{d}",
+        ),
+    )
+
+
+def _hf_llama(
+    layers: int, width: int, ffn_width: int, heads: int, batch: int, seq_len: int
+) -> BudgetWorkload:
+    def build() -> tuple[nn.Module, tuple[Tensor, ...]]:
+        import transformers
+
+        config = transformers.LlamaConfig(
+            hidden_size=width,
+            intermediate_size=ffn_width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            vocab_size=32000,
+            max_position_embeddings=seq_len,
+            attn_implementation="sdpa",
+        )
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        model.train()
+        # Layers call _gradient_checkpointing_func; torch's own until a strategy replaces it.
+        matepoint.integrations.enable_hf_gradient_checkpointing(model)
+        ids = torch.randint(0, 32000, (batch, seq_len))
+        if not ids.is_meta:
+            return model, (ids,)
+        # transformers reads the values of a 2D mask or of the position ids to choose its
+        # attention mask, which the meta device cannot do; a 4D mask is taken as it is.
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+        return model, (ids, causal.expand(batch, 1, seq_len, seq_len))
+
+    def set_checkpoint(model: nn.Module, fn: CheckpointFn) -> None:
+        for module in model.modules():
+            if hasattr(module, "_gradient_checkpointing_func"):
+                module._gradient_checkpointing_func = fn
+
+    every = frozenset(
+        {f"matmul {width}x{width}", f"matmul {width}x{ffn_width}", f"matmul {ffn_width}x{width}"}
+    )
+    return BudgetWorkload(
+        build=build,
+        loss=lambda model, inputs: (
+            model(
+                input_ids=inputs[0],
+                attention_mask=inputs[1] if len(inputs) > 1 else None,
+                labels=inputs[0],
+            ).loss
+        ),
+        set_checkpoint=set_checkpoint,
+        projections=(every, f"matmul {ffn_width}x{width}"),
+        hf=True,
+    )
+
+
+WORKLOADS: dict[str, BudgetWorkload] = {
+    "llama8": _llama(LlamaConfig(depth=8, width=4096, ffn_width=14336, heads=32, seq_len=8192), 1),
+    "llama16": _llama(LlamaConfig(depth=16, width=2048, ffn_width=7168, heads=16, seq_len=4096), 2),
+    # Beyond 24 GiB under torch's checkpoint (its saved block inputs: 16 GiB), within it once
+    # matepoint offloads them: the fixed-budget workload.
+    "llama64-long": _llama(
+        LlamaConfig(depth=64, width=1024, ffn_width=3584, heads=8, seq_len=8192), 16
+    ),
+    "nanochat12": _nanochat(12, 8, 2048),
+    "hf-llama16": _hf_llama(16, 2048, 5632, 16, 2, 4096),
+    "llama-tiny": _llama(LlamaConfig(depth=2, width=64, ffn_width=128, heads=4, seq_len=64), 1),
 }
-"""Name -> (config, batch, tokens)."""
+"""Name -> workload."""
+
+
+def parse_bytes(text: str) -> int:
+    """``"24GiB"``, ``"1.5GB"``, ``"512MiB"`` or a plain number of bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}
+    lowered = text.strip().lower()
+    for unit, scale in sorted(units.items(), key=lambda item: -len(item[0])):
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * scale)
+    return int(float(lowered))
 
 
 def selective_policy(saved_kinds: frozenset[str]) -> Callable[..., Any]:
@@ -64,43 +206,53 @@ def selective_policy(saved_kinds: frozenset[str]) -> Callable[..., Any]:
     return policy
 
 
-def _checkpoint_fns(config: LlamaConfig) -> dict[str, Callable[..., Any]]:
-    d, f = config.width, config.ffn_width
-    down = f"matmul {f}x{d}"
-    every_matmul = {f"matmul {d}x{3 * d}", f"matmul {d}x{d}", f"matmul {d}x{f}", down}
+def _checkpoint_fns(workload: BudgetWorkload) -> dict[str, CheckpointFn]:
+    every_matmul, down = workload.projections
     sac = functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)
+
+    def selective(kinds: frozenset[str]) -> CheckpointFn:
+        context_fn = functools.partial(
+            torch_checkpoint.create_selective_checkpoint_contexts, selective_policy(kinds)
+        )
+        return functools.partial(sac, context_fn=context_fn)
+
     return {
         "torch": sac,
         "matepoint": functools.partial(matepoint.checkpoint, use_reentrant=False),
-        "none": lambda function, *args: function(*args),
-        "sac-attention-down": functools.partial(
-            sac,
-            context_fn=functools.partial(
-                torch_checkpoint.create_selective_checkpoint_contexts,
-                selective_policy(frozenset({"attention", down})),
-            ),
-        ),
-        "sac-every-matmul": functools.partial(
-            sac,
-            context_fn=functools.partial(
-                torch_checkpoint.create_selective_checkpoint_contexts,
-                selective_policy(frozenset({"attention", *every_matmul})),
-            ),
-        ),
+        "none": _no_checkpoint,
+        "sac-attention-down": selective(frozenset({"attention", down})),
+        "sac-every-matmul": selective(frozenset({"attention", *every_matmul})),
     }
+
+
+def _no_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a block as it is (one function, so a compiled model's guard on it holds)."""
+    return function(*args, **kwargs)
+
+
+def _compiled_backend(memory_budget: float) -> Callable[..., Any]:
+    """Inductor with torch's ``activation_memory_budget`` in force while it partitions."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(graph: Any, example_inputs: Any) -> Any:
+        with functorch_config.patch(activation_memory_budget=memory_budget):
+            return compile_fx(graph, example_inputs)
+
+    return backend
 
 
 class _Runner:
     """One model and optimizer; a step under any strategy, timed, with its peak memory."""
 
-    def __init__(self, config: LlamaConfig, batch: int, tokens: int) -> None:
-        self.stack = LlamaStack(config).to(device="cuda", dtype=torch.bfloat16)
-        self.optimizer = torch.optim.AdamW(self.stack.parameters(), lr=1e-5, foreach=True)
-        generator = torch.Generator(device="cuda").manual_seed(0)
-        self.x = torch.randn(
-            batch, tokens, config.width, device="cuda", dtype=torch.bfloat16, generator=generator
-        )
+    def __init__(self, workload: BudgetWorkload) -> None:
+        self.workload = workload
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            self.model, self.inputs = workload.build()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
         self.settings: dict[str, dict[str, Any]] = {}
+        self.compiled: dict[str, Callable[[], Tensor]] = {}
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer's states (they stay on the device through every step)."""
@@ -113,7 +265,7 @@ class _Runner:
 
     def optimizer_step_peak(self) -> int:
         """The peak of an optimizer step alone, gradients in place (zero gradients)."""
-        for parameter in self.stack.parameters():
+        for parameter in self.model.parameters():
             parameter.grad = torch.zeros_like(parameter)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -123,42 +275,73 @@ class _Runner:
         self.optimizer.zero_grad(set_to_none=True)
         return peak
 
-    def step(self, name: str, checkpoint_fn: Callable[..., Any]) -> tuple[float, int]:
-        self.stack.checkpoint_fn = checkpoint_fn
+    def add_compiled(self, name: str, memory_budget: float) -> None:
+        """A strategy: the whole model compiled, no checkpoint, torch choosing what to recompute."""
+        compiled = torch.compile(self.model, backend=_compiled_backend(memory_budget))
+        self.compiled[name] = lambda: self.workload.loss(compiled, self.inputs)
+
+    def step(self, name: str, checkpoint_fn: CheckpointFn | None) -> tuple[float, int]:
+        """One training step; (seconds, peak bytes), or (nan, -1) when it ran out of memory."""
+        self.workload.set_checkpoint(self.model, checkpoint_fn or _no_checkpoint)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        with matepoint.options(**self.settings.get(name, {})):
-            loss = self.stack(self.x).float().square().mean()
-            loss.backward()
-        self.optimizer.step()
+        try:
+            with matepoint.options(**self.settings.get(name, {})):
+                if name in self.compiled:
+                    loss = self.compiled[name]()
+                else:
+                    loss = self.workload.loss(self.model, self.inputs)
+                loss.backward()
+            del loss
+            self.optimizer.step()
+            torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError:
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            return math.nan, -1
         self.optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
         return time.perf_counter() - start, torch.cuda.max_memory_allocated()
 
 
-def _plan(config: LlamaConfig, batch: int, tokens: int) -> matepoint.MemoryPlan:
+def _plan(workload: BudgetWorkload) -> matepoint.MemoryPlan:
+    torch.manual_seed(0)
     with torch.device("meta"):
-        stack = LlamaStack(config).to(torch.bfloat16)
-        stack.checkpoint_fn = functools.partial(matepoint.checkpoint, use_reentrant=False)
-        x = torch.randn(batch, tokens, config.width, dtype=torch.bfloat16)
-
-    def loss_fn(output: Tensor) -> Tensor:
-        return output.float().square().mean()
-
-    return matepoint.plan(stack, x, loss_fn=loss_fn)
+        model, inputs = workload.build()
+    if not workload.hf:
+        workload.set_checkpoint(model, functools.partial(matepoint.checkpoint, use_reentrant=False))
+    return matepoint.plan(lambda *args: workload.loss(model, args), *inputs)
 
 
-def run(workload: str, rounds: int, warmup: int) -> dict[str, Any]:
-    """Measure every strategy and the budget plans of ``workload``; return the report."""
-    config, batch, tokens = WORKLOADS[workload]
-    runner = _Runner(config, batch, tokens)
-    strategies = _checkpoint_fns(config)
+def _budgets(names: Sequence[str], peaks: dict[str, int]) -> dict[str, int]:
+    """``torch`` / ``mid`` / a size -> the budget in bytes (skipping what ran out of memory)."""
+    budgets: dict[str, int] = {}
+    for name in names:
+        if name == "torch" and peaks["torch"] > 0:
+            budgets["budget@torch"] = peaks["torch"]
+        elif name == "mid" and min(peaks.values()) > 0:
+            budgets["budget@mid"] = (peaks["torch"] + peaks["none"]) // 2
+        elif name not in ("torch", "mid"):
+            budgets[f"budget@{name}"] = parse_bytes(name)
+    return budgets
+
+
+def run(
+    workload_name: str,
+    rounds: int,
+    warmup: int,
+    budget_names: Sequence[str] = ("torch", "mid"),
+    compiled: bool = False,
+) -> dict[str, Any]:
+    """Measure every strategy and the budget plans of ``workload_name``; return the report."""
+    workload = WORKLOADS[workload_name]
+    runner = _Runner(workload)
+    strategies: dict[str, CheckpointFn | None] = dict(_checkpoint_fns(workload))
     measured_peaks: dict[str, int] = {}
     for name in ("torch", "none"):
         for _ in range(2):
             measured_peaks[name] = runner.step(name, strategies[name])[1]
-    memory_plan = _plan(config, batch, tokens)
+    memory_plan = _plan(workload)
     # See Note [Calibrating the planned peak].
     states = runner.state_bytes()
     optimizer_peak = runner.optimizer_step_peak()
@@ -169,11 +352,7 @@ def run(workload: str, rounds: int, warmup: int) -> dict[str, Any]:
     # The time model's rates, measured on this device (cached per device and torch).
     device_model = matepoint.calibrate(refresh=True)
     print(device_model, flush=True)
-
-    budgets = {
-        "budget@torch": measured_peaks["torch"],
-        "budget@mid": (measured_peaks["torch"] + measured_peaks["none"]) // 2,
-    }
+    budgets = _budgets(budget_names, measured_peaks)
     plans: dict[str, dict[str, Any]] = {}
     for name, budget in budgets.items():
         started = time.perf_counter()
@@ -193,19 +372,23 @@ def run(workload: str, rounds: int, warmup: int) -> dict[str, Any]:
         extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
         strategies[name] = functools.partial(matepoint.checkpoint, use_reentrant=False, **extra)
         runner.settings[name] = budget_plan.settings_changes()
+        if compiled and min(measured_peaks.values()) > 0:
+            # torch's knob is a fraction of what recomputing nothing would hold.
+            span = measured_peaks["none"] - measured_peaks["torch"]
+            fraction = min(1.0, max(0.0, (budget - measured_peaks["torch"]) / span))
+            label = f"compiled-amb@{name.removeprefix('budget@')}"
+            runner.add_compiled(label, fraction)
+            strategies[label] = None
+            plans[name]["compiled_activation_memory_budget"] = fraction
     names = list(strategies)
     times: dict[str, list[float | None]] = {name: [] for name in names}
     peaks: dict[str, int] = {}
     for round_index in range(warmup + rounds):
         for name in round_order(names, round_index):
-            try:
-                seconds, peak = runner.step(name, strategies[name])
-            except torch.cuda.OutOfMemoryError:
-                seconds, peak = float("nan"), -1
-                runner.optimizer.zero_grad(set_to_none=True)
+            seconds, peak = runner.step(name, strategies[name])
             if round_index >= warmup:
-                times[name].append(None if seconds != seconds else seconds)
-                peaks[name] = max(peaks.get(name, 0), peak)
+                times[name].append(None if math.isnan(seconds) else seconds)
+                peaks[name] = max(peaks.get(name, -1), peak)
     ratios = per_round_ratios(times)
     rows = {}
     for name in names:
@@ -217,12 +400,10 @@ def run(workload: str, rounds: int, warmup: int) -> dict[str, Any]:
         row["planned_peak_bytes"] = predicted(memory_plan[name].peak_bytes) if planned else None
         rows[name] = row
     return {
-        "workload": workload,
-        "config": dataclasses.asdict(config),
-        "batch": batch,
-        "tokens": tokens,
+        "workload": workload_name,
         "rounds": rounds,
         "device": torch.cuda.get_device_name(),
+        "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory,
         "torch": torch.__version__,
         "device_model": dataclasses.asdict(device_model),
         "optimizer_state_bytes": states,
@@ -230,6 +411,42 @@ def run(workload: str, rounds: int, warmup: int) -> dict[str, Any]:
         "plans": plans,
         "rows": rows,
     }
+
+
+def plot_frontier(reports: Sequence[dict[str, Any]], path: Path) -> None:
+    """Step ratio against measured peak, one panel per report: the frontier of each workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4.5), squeeze=False)
+    for axis, report in zip(axes[0], reports, strict=True):
+        for name, row in report["rows"].items():
+            peak = row.get("peak_bytes")
+            if "ratio" not in row or peak is None or peak < 0:
+                continue
+            planned = name.startswith("budget@")
+            marker = "*" if planned else ("s" if name.startswith("compiled") else "o")
+            axis.scatter(peak / _GIB, row["ratio"], marker=marker, s=120 if planned else 50)
+            axis.annotate(
+                name,
+                (peak / _GIB, row["ratio"]),
+                fontsize=8,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+        for plan in report["plans"].values():
+            axis.axvline(plan["budget_bytes"] / _GIB, color="grey", linestyle=":", linewidth=0.8)
+        cap = report.get("device_memory_cap_bytes")
+        if cap:
+            axis.axvline(cap / _GIB, color="red", linewidth=0.8)
+        axis.set_title(f"{report['workload']} ({report['device']}, torch {report['torch']})")
+        axis.set_xlabel("measured peak device memory (GiB)")
+        axis.set_ylabel("step time / torch checkpoint on every block")
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def _print(report: dict[str, Any]) -> None:
@@ -252,7 +469,7 @@ def _print(report: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the budget benchmark; see the module docstring."""
+    """Run the budget benchmark, or plot saved reports; see the module docstring."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -260,12 +477,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="llama8")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--budgets",
+        default="torch,mid",
+        help="comma-separated: torch (torch checkpoint's measured peak), mid (halfway to no "
+        "checkpoint's) or a size such as 24GiB",
+    )
+    parser.add_argument(
+        "--device-memory",
+        type=parse_bytes,
+        default=None,
+        help="cap this process's device memory (e.g. 24GiB) with "
+        "torch.cuda.set_per_process_memory_fraction",
+    )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="add torch's compiled activation_memory_budget at each budget, for reference",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="draw the frontier of REPORTS into this file"
+    )
+    parser.add_argument("reports", nargs="*", type=Path, help="saved reports, for --plot")
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        plot_frontier([json.loads(path.read_text()) for path in args.reports], args.plot)
+        return 0
     if not torch.cuda.is_available():
         print("the budget benchmark measures GPU memory and needs a CUDA device")
         return 2
-    report = run(args.workload, args.rounds, args.warmup)
+    if args.device_memory is not None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.device_memory / total))
+    budget_names = [name.strip() for name in args.budgets.split(",") if name.strip()]
+    report = run(args.workload, args.rounds, args.warmup, budget_names, args.compiled)
+    report["device_memory_cap_bytes"] = args.device_memory
     _print(report)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
