@@ -33,11 +33,7 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
     snapshot = OffloadStats()
     snapshot.add(kept_counters)
     snapshot.add(_registry.retired)
-    compiled = compat.COMPILED_TRAFFIC
-    snapshot.offloads += compiled.offloads
-    snapshot.bytes_offloaded += compiled.bytes_offloaded
-    snapshot.fetches += compiled.fetches
-    snapshot.bytes_fetched += compiled.bytes_fetched
+    snapshot.add(compat.COMPILED_TRAFFIC)
     for engine in all_engines():
         engine.settle(block=synchronize)
         snapshot.add(engine.counters)

@@ -95,7 +95,7 @@ def stay_reason(
         return "small" if nbytes else "empty"
     # Dense: the elements fill exactly ``numel`` storage slots without overlap, that is, some
     # order of the dimensions (by stride, innermost last) is contiguous.
-    by_stride = sorted(range(tensor.dim()), key=lambda dim: -tensor.stride(dim))
+    by_stride = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
     if channel_key(tensor) is None or not tensor.permute(by_stride).is_contiguous():
         return "other"
     return None

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
+
+import matepoint_compat as compat
 
 __all__ = ["Counters", "OffloadStats", "format_bytes", "format_report", "rss_bytes"]
 
@@ -37,8 +40,11 @@ class _CounterFields:
     skipped_parameters: int = 0
     skipped_other: int = 0
 
-    def add(self, other: _CounterFields) -> None:
-        """Add every field of ``other`` to this one's field of the same name (``self`` has all)."""
+    def add(self, other: _CounterFields | compat.CompiledTrafficCounts) -> None:
+        """Add every field of ``other`` to this one's field of the same name (``self`` has all).
+
+        ``other`` may also be the compiled graphs' counts, whose fields are some of these.
+        """
         for field in dataclasses.fields(other):
             setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
@@ -130,49 +136,33 @@ def rss_bytes() -> int | None:
         return None
 
 
+_REPORT = """\
+matepoint offload report
+  offloaded         {offloads} tensors, {bytes_offloaded}
+  by kind           {input_offloads} checkpoint inputs, {input_bytes_offloaded}; \
+{policy_offloads} policy outputs, {bytes_offloaded_by_policy}
+  fetched back      {fetches} copies, {bytes_fetched} ({prefetches} prefetched, \
+{prefetch_hits} used, {prefetches_skipped} skipped for memory)
+  served on device  {stash_hits} unpacks, {bytes_served_from_stash} (no copy back)
+  shared (dedupe)   {dedupe_hits} saves, {shared_fetch_hits} unpacks served by one fetch
+  freed nothing     {offloads_freed_nothing} offloads (original kept alive elsewhere)
+  compute waited    {compute_wait_ms:.2f} ms for copies back
+  host waited       {host_wait_ms:.2f} ms ({throttled_waits} throttles)
+  kept in place     {skipped_small} small, {skipped_parameters} parameters, {skipped_other} other
+  pinned pool       {pool_pinned_bytes} pinned, {pool_in_use_bytes} in use, \
+{pool_blocks_allocated} allocated, {pool_blocks_reused} reused, {pageable_fallbacks} pageable \
+fallbacks
+  now               {live_records} live offloaded tensors, {device_bytes_held} device bytes held"""
+
+
 def format_report(stats: OffloadStats) -> str:
-    """Render a snapshot as a short aligned text report."""
-    rows = {
-        "offloaded": f"{stats.offloads} tensors, {format_bytes(stats.bytes_offloaded)}",
-        "by kind": (
-            f"{stats.offloads - stats.policy_offloads} checkpoint inputs, "
-            f"{format_bytes(stats.bytes_offloaded - stats.bytes_offloaded_by_policy)}; "
-            f"{stats.policy_offloads} policy outputs, "
-            f"{format_bytes(stats.bytes_offloaded_by_policy)}"
-        ),
-        "fetched back": (
-            f"{stats.fetches} copies, {format_bytes(stats.bytes_fetched)} ({stats.prefetches} "
-            f"prefetched, {stats.prefetch_hits} used, "
-            f"{stats.prefetches_skipped} skipped for memory)"
-        ),
-        "served on device": (
-            f"{stats.stash_hits} unpacks, {format_bytes(stats.bytes_served_from_stash)} "
-            "(no copy back)"
-        ),
-        "shared (dedupe)": (
-            f"{stats.dedupe_hits} saves, {stats.shared_fetch_hits} unpacks served by one fetch"
-        ),
-        "freed nothing": f"{stats.offloads_freed_nothing} offloads (original kept alive elsewhere)",
-        "compute waited": f"{stats.compute_wait_seconds * 1e3:.2f} ms for copies back",
-        "host waited": (
-            f"{stats.host_wait_seconds * 1e3:.2f} ms ({stats.throttled_waits} throttles)"
-        ),
-        "kept in place": (
-            f"{stats.skipped_small} small, {stats.skipped_parameters} parameters, "
-            f"{stats.skipped_other} other"
-        ),
-        "pinned pool": (
-            f"{format_bytes(stats.pool_pinned_bytes)} pinned, "
-            f"{format_bytes(stats.pool_in_use_bytes)} in use, {stats.pool_blocks_allocated} "
-            f"allocated, {stats.pool_blocks_reused} reused, "
-            f"{stats.pageable_fallbacks} pageable fallbacks"
-        ),
-        "now": (
-            f"{stats.live_records} live offloaded tensors, "
-            f"{format_bytes(stats.device_bytes_held)} device bytes held"
-        ),
-    }
-    width = max(map(len, rows))
-    lines = ["matepoint offload report"]
-    lines += [f"  {label.ljust(width)}  {value}" for label, value in rows.items()]
-    return "\n".join(lines)
+    """Render a snapshot as a short aligned text report (the fields named in ``_REPORT``)."""
+    values: dict[str, Any] = dataclasses.asdict(stats)
+    values["input_offloads"] = stats.offloads - stats.policy_offloads
+    values["input_bytes_offloaded"] = stats.bytes_offloaded - stats.bytes_offloaded_by_policy
+    values["compute_wait_ms"] = stats.compute_wait_seconds * 1e3
+    values["host_wait_ms"] = stats.host_wait_seconds * 1e3
+    # Every byte count, and only those, has "bytes" in its name.
+    for name in [field for field in values if "bytes" in field]:
+        values[name] = format_bytes(values[name])
+    return _REPORT.format_map(values)
