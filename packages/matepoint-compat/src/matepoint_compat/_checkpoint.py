@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import MutableMapping
+from traceback import walk_tb
 from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
@@ -64,56 +65,43 @@ def adapt_checkpoint_kwargs(
         early_stop = bool(kwargs.pop("early_stop"))
         if not use_reentrant:
             context = torch_checkpoint.set_checkpoint_early_stop(early_stop)
-    if not TORCH_2_14_PLUS:
-        if "respect_saved_tensors_hooks" in kwargs:
-            installed = ".".join(str(part) for part in TORCH_VERSION)
-            raise TypeError(
-                "checkpoint() got respect_saved_tensors_hooks=, which needs torch>=2.14; "
-                f"the installed torch is {installed}"
-            )
-    elif not use_reentrant and "context_fn" in kwargs:
+    if not TORCH_2_14_PLUS and "respect_saved_tensors_hooks" in kwargs:
+        installed = ".".join(str(part) for part in TORCH_VERSION)
+        raise TypeError(
+            "checkpoint() got respect_saved_tensors_hooks=, which needs torch>=2.14; "
+            f"the installed torch is {installed}"
+        )
+    if TORCH_2_14_PLUS and not use_reentrant and "context_fn" in kwargs:
         kwargs.setdefault("respect_saved_tensors_hooks", False)
     return context
 
 
-class _UnwindFailedCheckpoint:
+class _UnwindFailedCheckpoint(contextlib.AbstractContextManager["_UnwindFailedCheckpoint"]):
     """See :func:`unwind_failed_checkpoint` (a class, not a generator: dynamo, see above).
 
     It keeps no state, so one instance serves every call.
     """
 
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: types.TracebackType | None,
-    ) -> None:
+    def __exit__(self, kind: object, error: object, traceback: types.TracebackType | None) -> None:
         """Close the generators of torch's non-reentrant checkpoint calls in ``traceback``.
 
         Innermost first, so each one pops the saved-tensor hooks on top of the stack.
         """
-        if exc is None:
-            return
-        generators = []
-        while traceback is not None:
-            frame = traceback.tb_frame
-            code = frame.f_code
-            if code.co_name == "checkpoint" and code.co_filename == torch_checkpoint.__file__:
-                gen = frame.f_locals.get("gen")
-                if isinstance(gen, types.GeneratorType) and gen.gi_frame is not None:
-                    generators.append(gen)
-            traceback = traceback.tb_next
-        for gen in reversed(generators):
-            gen.close()
+        generators = [
+            frame.f_locals.get("gen")
+            for frame, _ in walk_tb(traceback)
+            if frame.f_code.co_name == "checkpoint"
+            and frame.f_code.co_filename == torch_checkpoint.__file__
+        ]
+        for generator in reversed(generators):
+            if isinstance(generator, types.GeneratorType) and generator.gi_frame is not None:
+                generator.close()
 
 
 _UNWIND = _UnwindFailedCheckpoint()
 
 
-def unwind_failed_checkpoint() -> contextlib.AbstractContextManager[None]:
+def unwind_failed_checkpoint() -> contextlib.AbstractContextManager[object]:
     """A context to run torch's checkpoint in, directly inside any saved-tensor hook context.
 
     torch 2.4-2.12 run the checkpointed function between two ``next(gen)`` calls with no

@@ -22,7 +22,7 @@ import sys
 import types
 import warnings
 from collections.abc import Callable, Iterable
-from inspect import Parameter, signature
+from inspect import signature
 from typing import Any
 
 import torch
@@ -74,10 +74,6 @@ class MatepointDeprecationWarning(FutureWarning):
         >>> str(w)
         '`x` is deprecated (deprecated in matepoint 0.2.0, to be removed in 0.4.0)'
     """
-
-    message: str
-    since: str
-    removal: str
 
     def __init__(
         self, message: str, *, since: str = DEFAULT_SINCE, removal: str = DEFAULT_REMOVAL
@@ -187,13 +183,10 @@ def accepts_keyword(function: Callable[..., object], name: str) -> bool:
     # A module's __call__ takes (*args, **kwargs); what it accepts is its forward's signature.
     target = function.forward if isinstance(function, torch.nn.Module) else function
     try:
-        parameters = signature(target).parameters
-    except (TypeError, ValueError):  # builtins and C functions without a signature
+        signature(target).bind_partial(**{name: None})
+    except (TypeError, ValueError):  # it does not bind, or a builtin without a signature
         return False
-    parameter = parameters.get(name)
-    if parameter is not None:
-        return parameter.kind in (Parameter.POSITIONAL_OR_KEYWORD, Parameter.KEYWORD_ONLY)
-    return any(value.kind is Parameter.VAR_KEYWORD for value in parameters.values())
+    return True
 
 
 def pop_legacy_checkpoint_kwargs(
@@ -244,8 +237,9 @@ _NOPIPELINE = "pass `pipeline=False` to `matepoint.checkpoint` instead"
 # One object: 0.1.x code may hold on to the list it imported. Nothing reads or fills it.
 LEGACY_CONTEXT_LIST: list[object] = []
 # name -> (stand-in, what replaces it); matepoint_pipeline is added by install_legacy_globals.
+# NOPIPELINE's stand-in is what the package holds now (see legacy_pipeline_disabled).
 _NAMES: dict[str, tuple[object, str]] = {
-    "NOPIPELINE": (False, _NOPIPELINE),
+    "NOPIPELINE": (None, _NOPIPELINE),
     "Gmatepoint_ctx": (
         LEGACY_CONTEXT_LIST,
         "nothing reads this list: the engine tracks saved inputs",
@@ -261,63 +255,55 @@ def legacy_pipeline_disabled() -> bool:
 
 
 class _LegacyModule(types.ModuleType):
-    """The class of the ``matepoint`` module, only so that assigning ``NOPIPELINE`` warns."""
+    """The class of ``matepoint`` and ``matepoint.matepoint``: assigning ``NOPIPELINE`` warns.
+
+    In 0.1.x the code read ``matepoint.matepoint``'s global; 0.2 reads the package's, so an
+    assignment on either module lands there (and ``del`` removes it there).
+    """
 
     # Note [NOPIPELINE warns at the assignment]
     # PEP 562 covers reading only. The assignment is the line the user has to change, and where
     # `-W error` should stop; a warning at the next checkpoint call would repeat at every call
     # site, and from checkpoint_sequential or the decorator land on matepoint's own lines. The
-    # value is stored as a plain global, and checkpoint reads it at call time.
+    # value is stored as a plain global of the package, and checkpoint reads it at call time.
     def __setattr__(self, name: str, value: object) -> None:
-        if name == "NOPIPELINE":
-            warn_deprecated("`matepoint.NOPIPELINE`", replacement=_NOPIPELINE)
-        super().__setattr__(name, value)
-
-
-class _LegacyPathModule(types.ModuleType):
-    """The class of ``matepoint.matepoint``, so that 0.1.x's ``NOPIPELINE = x`` there works.
-
-    In 0.1.x the code read that module's global; 0.2 reads the package's, so the assignment is
-    forwarded there. See Note [NOPIPELINE warns at the assignment].
-    """
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "NOPIPELINE":
-            warn_deprecated("`matepoint.matepoint.NOPIPELINE`", replacement=_NOPIPELINE)
-            # The package's own assignment would warn a second time, at this line.
-            types.ModuleType.__setattr__(sys.modules[_PACKAGE], name, value)
+        if name != "NOPIPELINE":
+            super().__setattr__(name, value)
             return
-        super().__setattr__(name, value)
+        warn_deprecated(f"`{self.__name__}.NOPIPELINE`", replacement=_NOPIPELINE)
+        vars(sys.modules[_PACKAGE])[name] = value
 
     def __delattr__(self, name: str) -> None:
-        if name == "NOPIPELINE":
-            vars(sys.modules[_PACKAGE]).pop(name, None)
+        if name != "NOPIPELINE":
+            super().__delattr__(name)
             return
-        super().__delattr__(name)
+        vars(sys.modules[_PACKAGE]).pop(name, None)
 
 
-def _getattr_for(qualified: str) -> Callable[[str], object]:
+def _install(module: types.ModuleType) -> None:
+    """Give ``module`` the 0.1.x globals (PEP 562) and the class that warns at their assignment.
+
+    Type checkers do not see the module ``__getattr__`` set here, which would let any misspelt
+    name through.
+    """
+
     def module_getattr(name: str) -> object:
         """A 0.1.x global's stand-in, with a warning (PEP 562)."""
         if name not in _NAMES:
-            raise AttributeError(f"module {qualified!r} has no attribute {name!r}")
+            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
         value, replacement = _NAMES[name]
         # `from matepoint import X` looks X up twice (importlib's hasattr probe, then the
         # import); warnings skips importlib's frames, so both land on the user's line and
         # Python's default filter shows one.
-        warn_deprecated(f"`{qualified}.{name}`", replacement=replacement)
-        if name == "NOPIPELINE" and qualified != _PACKAGE:
-            return legacy_pipeline_disabled()
-        return value
+        warn_deprecated(f"`{module.__name__}.{name}`", replacement=replacement)
+        return legacy_pipeline_disabled() if name == "NOPIPELINE" else value
 
-    return module_getattr
+    module.__getattr__ = module_getattr  # type: ignore[method-assign]
+    module.__class__ = _LegacyModule
 
 
 def install_legacy_globals(package: types.ModuleType, prefetch_now: Callable[[], None]) -> None:
     """Give the ``matepoint`` package its 0.1.x globals, each warning when used.
-
-    Type checkers do not see the module ``__getattr__`` set here, which would let any misspelt
-    name through.
 
     Args:
         package: The ``matepoint`` module.
@@ -333,8 +319,7 @@ def install_legacy_globals(package: types.ModuleType, prefetch_now: Callable[[],
         matepoint_pipeline,
         "call `matepoint.prefetch_now()`, or nothing: backward prefetches by itself",
     )
-    package.__getattr__ = _getattr_for(_PACKAGE)  # type: ignore[method-assign]
-    package.__class__ = _LegacyModule
+    _install(package)
 
 
 def install_legacy_path(module: types.ModuleType, stacklevel: int) -> None:
@@ -350,8 +335,7 @@ def install_legacy_path(module: types.ModuleType, stacklevel: int) -> None:
         replacement="import from `matepoint` instead (`from matepoint import checkpoint`)",
         stacklevel=stacklevel + 1,
     )
-    module.__getattr__ = _getattr_for(module.__name__)  # type: ignore[method-assign]
-    module.__class__ = _LegacyPathModule
+    _install(module)
 
 
 # -- 0.2.0 settings given where they no longer belong ------------------------------------------
