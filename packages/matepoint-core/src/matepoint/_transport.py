@@ -186,9 +186,7 @@ class _CudaChannel:
         self.side_stream.wait_event(self._compute_done)
         compat.delay_stream(self.side_stream, _side_stream_delay)
         self._on_side_stream(compute, lambda: host.copy_(source, non_blocking=True))
-        done = self._module.Event()
-        done.record(self.side_stream)
-        return done
+        return self.side_stream.record_event()
 
     def copy_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
         compat.delay_stream(self.side_stream, _side_stream_delay)
@@ -196,9 +194,7 @@ class _CudaChannel:
         target = self._on_side_stream(
             self.current_compute(), lambda: host.to(self.device, non_blocking=True)
         )
-        done = self._module.Event()
-        done.record(self.side_stream)
-        return target, done
+        return target, self.side_stream.record_event()
 
     def copy_out_now(self, source: torch.Tensor, host: torch.Tensor) -> None:
         host.copy_(source, non_blocking=False)
@@ -213,12 +209,9 @@ class _CudaChannel:
         if not measure or event.query():
             compute.wait_event(event)
             return None
-        before = compat.new_event(self.device, enable_timing=True)
-        after = compat.new_event(self.device, enable_timing=True)
-        before.record(compute)
+        before = compute.record_event(compat.new_event(self.device, enable_timing=True))
         compute.wait_event(event)
-        after.record(compute)
-        return (before, after)
+        return before, compute.record_event(compat.new_event(self.device, enable_timing=True))
 
     def release_original(self, tensor: torch.Tensor, compute: Any, copying: bool) -> None:
         tensor.record_stream(compute)
@@ -229,18 +222,15 @@ class _CudaChannel:
         return bool(event.query())
 
     def synchronize(self, event: Any) -> float:
-        if event.query():
-            return 0.0
         start = time.perf_counter()
         event.synchronize()
         return time.perf_counter() - start
 
     def wait_seconds(self, token: Any, block: bool) -> float | None:
         before, after = token
-        if not after.query():
-            if not block:
-                return None
-            after.synchronize()
+        if not block and not after.query():
+            return None
+        after.synchronize()
         return float(before.elapsed_time(after)) / 1000.0
 
 
