@@ -9,9 +9,11 @@ device name and torch release, so the next plan on that machine reads them back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,85 +27,75 @@ from matepoint._budget_profile import DeviceModel
 
 __all__ = ["cached_model", "calibrate", "default_cache_path"]
 
-_MIB = 1 << 20
-
 
 def default_cache_path() -> Path:
     """Where calibrations are kept: ``$XDG_CACHE_HOME/matepoint`` or ``~/.cache/matepoint``."""
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "matepoint" / "device-models.json"
 
 
-def _seconds(device: torch.device, work: Callable[[], object], repeats: int) -> float:
+def _seconds(device: torch.device, work: Callable[[], object], repeats: int = 5) -> float:
     """The median time of ``work`` on ``device``'s current stream, timed with device events."""
     work()
     times: list[float] = []
     for _ in range(repeats):
-        start = compat.new_event(device, enable_timing=True)
-        end = compat.new_event(device, enable_timing=True)
+        start, end = (compat.new_event(device, enable_timing=True) for _ in range(2))
         start.record()
         work()
         end.record()
         end.synchronize()
-        times.append(float(start.elapsed_time(end)) / 1e3)
-    return sorted(times)[len(times) // 2]
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 def _policy_seconds_per_op(ops: int = 200) -> float:
     """Host time torch's selective-checkpoint mode adds to one small op (forward mode)."""
     if not compat.TORCH_2_5_PLUS:  # no selective checkpointing, nothing to charge
         return 0.0
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-
     x = torch.ones(8, device="cuda")
 
-    def run() -> float:
-        start = time.perf_counter()
-        y = x
-        for _ in range(ops):
-            y = y + 1
-        return time.perf_counter() - start
+    def run(mode: contextlib.AbstractContextManager[Any]) -> float:
+        with mode:
+            start = time.perf_counter()
+            y = x
+            for _ in range(ops):
+                y = y + 1
+            return time.perf_counter() - start
 
-    run()
-    plain = min(run() for _ in range(5))
+    # The fastest of a few runs each; the first plain run also warms up.
+    plain = min(run(contextlib.nullcontext()) for _ in range(6))
     create_contexts: Any = torch_checkpoint.create_selective_checkpoint_contexts
-    with_policy = []
-    for _ in range(5):
-        forward, _ = create_contexts(policy)
-        with forward:
-            with_policy.append(run())
+    recompute = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+    forward_modes = (create_contexts(lambda *_, **__: recompute)[0] for _ in range(5))
+    with_policy = min(run(mode) for mode in forward_modes)
     torch.cuda.synchronize()
-    return max(0.0, (min(with_policy) - plain) / ops)
+    return max(0.0, (with_policy - plain) / ops)
 
 
 def _measure(device: torch.device) -> DeviceModel:
     """Measure matrix rate, memory bandwidth, the link each way and the policy's cost."""
-    size = 8192
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    matmul = _seconds(device, lambda: a @ b, repeats=5)
-    source = torch.empty(256 * _MIB, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    copy = _seconds(device, lambda: target.copy_(source), repeats=5)
-    pinned = compat.allocate_pinned(source.numel())
-    to_host = _seconds(device, lambda: pinned.copy_(source, non_blocking=True), repeats=5)
-    to_device = _seconds(device, lambda: source.copy_(pinned, non_blocking=True), repeats=5)
-    return DeviceModel(
-        peak_flops=2 * size**3 / matmul,
-        memory_bandwidth=2 * source.numel() / copy,
-        to_host_bandwidth=source.numel() / to_host,
-        to_device_bandwidth=source.numel() / to_device,
-        policy_seconds_per_op=_policy_seconds_per_op(),
-    )
+    with torch.cuda.device(device):
+        size = 8192
+        a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+        b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+        matmul = _seconds(device, lambda: a @ b)
+        source = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        target = torch.empty_like(source)
+        copy = _seconds(device, lambda: target.copy_(source))
+        pinned = compat.allocate_pinned(source.numel())
+        to_host = _seconds(device, lambda: pinned.copy_(source, non_blocking=True))
+        to_device = _seconds(device, lambda: source.copy_(pinned, non_blocking=True))
+        return DeviceModel(
+            peak_flops=2 * size**3 / matmul,
+            memory_bandwidth=2 * source.numel() / copy,
+            to_host_bandwidth=source.numel() / to_host,
+            to_device_bandwidth=source.numel() / to_device,
+            policy_seconds_per_op=_policy_seconds_per_op(),
+        )
 
 
 def calibrate(
-    device: torch.device | str = "cuda",
-    *,
-    cache: Path | None = None,
-    refresh: bool = False,
+    device: torch.device | str = "cuda", *, cache: Path | None = None, refresh: bool = False
 ) -> DeviceModel:
     """Return a :class:`~matepoint.DeviceModel` measured on ``device``, from the cache if there.
 
@@ -130,14 +122,9 @@ def calibrate(
             f"({'no GPU present' if not torch.cuda.is_available() else 'not CUDA'}); without "
             "one, plans use DeviceModel()'s H200 figures"
         )
-    path = cache if cache is not None else default_cache_path()
     key = f"{torch.cuda.get_device_name(device)} | torch {torch.__version__}"
-
-    def measured() -> DeviceModel:
-        with torch.cuda.device(device):
-            return _measure(device)
-
-    return cached_model(path, key, measured, refresh=refresh)
+    path = cache or default_cache_path()
+    return cached_model(path, key, lambda: _measure(device), refresh=refresh)
 
 
 def cached_model(
@@ -145,14 +132,13 @@ def cached_model(
 ) -> DeviceModel:
     """Return the model stored under ``key`` in ``path``, or measure, store and return it.
 
-    Other keys in the file are kept; a file that cannot be read is measured over, not trusted.
+    Other keys in the file are kept; a file that is missing or cannot be read is measured over,
+    not trusted.
     """
-    stored: dict[str, Any] = {}
-    if path.is_file():
-        try:
-            stored = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            stored = {}  # an unreadable cache is measured over, not trusted
+    try:
+        stored: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        stored = {}
     if not refresh and key in stored:
         return DeviceModel(**stored[key])
     model = measure()
