@@ -99,7 +99,7 @@ class Record(_WeakReferable):
     """One offloaded tensor: its host copy, the events that order it, and its device state.
 
     Built from the tensor it offloads (``tensor``, not kept as a field) and the host block its
-    copy goes to. Compared by identity (``eq=False``): the engine keys tables by records.
+    copy goes to. Compared by identity (``eq=False``): each record is one saved value.
 
     Attributes:
         owner: The engine that made it.
