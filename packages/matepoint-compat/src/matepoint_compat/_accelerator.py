@@ -80,12 +80,9 @@ def delay_stream(stream: Any, cycles: int) -> None:
     2.15; run by the GPU tests on 2.11); without it the delay is skipped (the probe then tests
     less, it never breaks a run).
     """
-    if cycles <= 0 or stream.device.type != "cuda":
-        return
-    sleep = getattr(torch.cuda, "_sleep", None)
-    if sleep is not None:
+    if cycles > 0 and stream.device.type == "cuda" and hasattr(torch.cuda, "_sleep"):
         with torch.cuda.stream(stream):
-            sleep(int(cycles))
+            torch.cuda._sleep(int(cycles))  # type: ignore[no-untyped-call]
 
 
 def allocate_pinned(nbytes: int) -> torch.Tensor:
@@ -109,9 +106,9 @@ def allocate_pinned(nbytes: int) -> torch.Tensor:
         RuntimeError: If the memory cannot be allocated or page-locked (out of host memory, or a
             limit on locked memory).
     """
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=TORCH_2_13_PLUS)
     if TORCH_2_13_PLUS:
-        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
-    block = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+        return block
     address = block.data_ptr()
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     status = cudart.cudaHostRegister(address, nbytes, 0)
