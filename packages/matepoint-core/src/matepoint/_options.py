@@ -41,8 +41,6 @@ __all__ = [
 
 PoolExhaustedPolicy = Literal["pageable", "raise"]
 
-_MIB = 1 << 20
-
 
 # What each field's annotation accepts (a string, under ``from __future__ import annotations``),
 # and how an error says it.
@@ -120,11 +118,11 @@ class OffloadSettings:
         2
     """
 
-    min_offload_bytes: int = 1 * _MIB
+    min_offload_bytes: int = 1 << 20
     pipeline: bool = True
     stash_bytes: int = 0
     prefetch: int = 2
-    max_inflight_bytes: int = 2048 * _MIB
+    max_inflight_bytes: int = 2 << 30
     pool_cap_bytes: int | None = None
     on_pool_exhausted: PoolExhaustedPolicy = "pageable"
     measure_waits: bool = True
@@ -148,9 +146,8 @@ class ResolvedOptions(OffloadSettings):
 _SETTING_FIELDS = frozenset(field.name for field in dataclasses.fields(OffloadSettings))
 _DEVICE_FIELDS = _SETTING_FIELDS - {"min_offload_bytes", "pipeline", "compiled_offload"}
 _CALL_FIELDS = frozenset({"enabled", "pipeline", "min_offload_bytes"})
-_DELAY = DELAY_SETTING
 # Names that checkpoint() refuses as its own keywords unless the function takes them.
-_OFFLOAD_NAMES = _SETTING_FIELDS | _CALL_FIELDS | {_DELAY}
+_OFFLOAD_NAMES = _SETTING_FIELDS | _CALL_FIELDS | {DELAY_SETTING}
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -205,7 +202,7 @@ class OffloadOptions:
         **deprecated: Any,
     ) -> None:
         carried = {**dict(deprecated_settings), **deprecated}
-        unknown = sorted(set(carried) - _DEVICE_FIELDS - {_DELAY})
+        unknown = sorted(set(carried) - _DEVICE_FIELDS - {DELAY_SETTING})
         if unknown:
             raise TypeError(
                 f"unknown offload option(s) {', '.join(unknown)} (given directly or in "
@@ -239,9 +236,7 @@ _layers: list[dict[str, Any]] = []
 _defaults = _base
 # The last resolution and what it was resolved from, reused while neither the settings nor the
 # call's choices change. See resolve().
-_last: tuple[tuple[OffloadSettings, OffloadOptions | None, bool, bool], ResolvedOptions] | None = (
-    None
-)
+_last: tuple[tuple[object, ...], ResolvedOptions] | None = None
 
 
 def _rebuild() -> OffloadSettings:
@@ -258,9 +253,9 @@ def _checked_values(fields: dict[str, Any], owner: str) -> dict[str, Any]:
     Raises:
         ValueError: For a value out of range, naming ``owner``.
     """
-    settings = {name: value for name, value in fields.items() if name != _DELAY}
+    settings = {name: value for name, value in fields.items() if name != DELAY_SETTING}
     try:
-        _check("settings", _DELAY, "int", fields.get(_DELAY, 0))
+        _check("settings", DELAY_SETTING, "int", fields.get(DELAY_SETTING, 0))
         OffloadSettings(**settings)
     except ValueError as error:
         raise ValueError(f"{owner}: {error}") from None
@@ -273,13 +268,13 @@ def _checked(fields: dict[str, Any], owner: str, stacklevel: int) -> dict[str, A
     Everything is checked before anything changes; the delay's warning is attributed
     ``stacklevel`` frames up (counted as ``warn_deprecated`` counts).
     """
-    unknown = sorted(set(fields) - _SETTING_FIELDS - {_DELAY})
+    unknown = sorted(set(fields) - _SETTING_FIELDS - {DELAY_SETTING})
     if unknown:
         raise TypeError(
             f"unknown offload setting(s) {', '.join(unknown)} for {owner}; "
             f"valid: {', '.join(sorted(_SETTING_FIELDS))}"
         )
-    if _DELAY in fields:
+    if DELAY_SETTING in fields:
         warn_delay_setting(stacklevel)
     return _checked_values(fields, owner)
 
@@ -319,8 +314,8 @@ def configure(**fields: Any) -> OffloadSettings:
     global _base
     settings = _checked(fields, "matepoint.configure", stacklevel=3)
     with _lock:
-        if _DELAY in fields:
-            set_side_stream_delay(fields[_DELAY])
+        if DELAY_SETTING in fields:
+            set_side_stream_delay(fields[DELAY_SETTING])
         _base = dataclasses.replace(_base, **settings)
         for layer in _layers:
             for name in settings:
@@ -358,8 +353,8 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
     layer = _checked(fields, "matepoint.options", stacklevel=4)
     previous_delay = side_stream_delay()
     with _lock:
-        if _DELAY in fields:
-            set_side_stream_delay(fields[_DELAY])
+        if DELAY_SETTING in fields:
+            set_side_stream_delay(fields[DELAY_SETTING])
         _layers.append(layer)
         current = _rebuild()
     try:
@@ -369,13 +364,11 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
             # By identity: two blocks may set equal fields.
             _layers[:] = [open_layer for open_layer in _layers if open_layer is not layer]
             _rebuild()
-            if _DELAY in fields:
+            if DELAY_SETTING in fields:
                 set_side_stream_delay(previous_delay)
 
 
-def check_misplaced_settings(
-    function_kwargs: dict[str, Any], function: Callable[..., object]
-) -> None:
+def check_misplaced_settings(kwargs: dict[str, Any], function: Callable[..., object]) -> None:
     """Refuse an offload option or setting passed as a keyword of ``checkpoint`` itself.
 
     ``checkpoint(fn, x, prefetch=4)`` would reach ``fn`` as a keyword argument and fail there
@@ -385,27 +378,18 @@ def check_misplaced_settings(
     Raises:
         TypeError: Saying where the first such name (in sorted order) belongs.
     """
-    name = min(
-        (
-            name
-            for name in function_kwargs
-            if name in _OFFLOAD_NAMES and not accepts_keyword(function, name)
-        ),
-        default=None,
-    )
-    if name is None:
-        return
-    given = f"{name}={function_kwargs[name]!r}"
-    where = (
-        f"pass offload=matepoint.OffloadOptions({given}) for this call"
-        if name in _CALL_FIELDS
-        else f"it is a device setting: matepoint.configure({given}), or "
-        f"`with matepoint.options({given}):` around the calls"
-    )
-    raise TypeError(
-        f"checkpoint() got an unexpected keyword argument {name!r}, which the checkpointed "
-        f"function does not take; {where}"
-    )
+    for name in sorted(_OFFLOAD_NAMES.intersection(kwargs)):
+        if accepts_keyword(function, name):
+            continue
+        given = f"{name}={kwargs[name]!r}"
+        where = f"pass offload=matepoint.OffloadOptions({given}) for this call"
+        if name not in _CALL_FIELDS:
+            where = f"it is a device setting: matepoint.configure({given}), or "
+            where += f"`with matepoint.options({given}):` around the calls"
+        raise TypeError(
+            f"checkpoint() got an unexpected keyword argument {name!r}, which the checkpointed "
+            f"function does not take; {where}"
+        )
 
 
 def resolve(call: OffloadOptions | bool | None, pipeline: bool = True) -> ResolvedOptions | None:
@@ -426,14 +410,10 @@ def resolve(call: OffloadOptions | bool | None, pipeline: bool = True) -> Resolv
         raise TypeError(f"checkpoint() pipeline= must be True or False, got {pipeline!r}")
     given: object = call  # as the caller passed it, unchecked
     if given is not None and not isinstance(given, (bool, OffloadOptions)):
-        hint = (
-            "; device settings are set with matepoint.configure(...) or matepoint.options(...)"
-            if isinstance(given, OffloadSettings)
-            else ""
-        )
         raise TypeError(
-            "checkpoint() offload= must be an OffloadOptions, True, False or None, "
-            f"got {type(given).__name__}{hint}"
+            "checkpoint() offload= must be an OffloadOptions, True, False or None, got "
+            f"{type(given).__name__}; device settings are set with matepoint.configure(...) or "
+            "matepoint.options(...)"
         )
     if call is False or (isinstance(call, OffloadOptions) and not call.enabled):
         return None

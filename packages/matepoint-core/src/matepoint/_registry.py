@@ -82,20 +82,13 @@ def all_engines() -> list[ChannelEngine]:
 class Planning(Protocol):
     """A plan running on this thread. See Note [Planning scope]."""
 
-    @property
-    def strategy(self) -> str:
-        """``"none"`` (no checkpoint), ``"torch"`` (no offloading) or ``"matepoint"``."""
-
-    @property
-    def engine(self) -> ChannelEngine:
-        """The plan's own engine, over a channel that moves nothing."""
-
-    @property
-    def context_fn(self) -> Callable[[], Any] | None:
-        """The ``context_fn`` every non-reentrant checkpoint call runs with, or None for its own.
-
-        A budget plan's candidate selective-checkpoint policy, or its per-region profiler.
-        """
+    # "none" (no checkpoint), "torch" (no offloading) or "matepoint".
+    strategy: str
+    # The plan's own engine, over a channel that moves nothing.
+    engine: ChannelEngine
+    # The context_fn every non-reentrant checkpoint call runs with, or None for its own: a budget
+    # plan's candidate selective-checkpoint policy, or its per-region profiler.
+    context_fn: Callable[[], Any] | None
 
     def options_for(self, call: ResolvedOptions | None) -> ResolvedOptions | None:
         """Return the options a checkpoint call runs with in the plan (None: no offloading)."""
@@ -104,13 +97,16 @@ class Planning(Protocol):
         """Hear what became of a saved input: offloaded, shared, or a ``KeepReason``."""
 
 
-_local = threading.local()
+class _Local(threading.local):
+    planning: Planning | None = None
+
+
+_local = _Local()
 
 
 def planning() -> Planning | None:
     """Return the plan running on this thread, if any."""
-    current: Planning | None = getattr(_local, "planning", None)
-    return current
+    return _local.planning
 
 
 @contextlib.contextmanager
@@ -127,17 +123,13 @@ def planning_scope(plan: Planning) -> Iterator[None]:
 def engine_of(tensor: torch.Tensor, plan: Planning | None) -> ChannelEngine | None:
     """Return the engine that offloads ``tensor`` (the plan's, if one runs), or None to keep it."""
     if plan is not None:
-        planned = plan.engine
-        return planned if planned.transport.channel_key(tensor) is not None else None
+        return plan.engine if plan.engine.transport.channel_key(tensor) is not None else None
     active = _transport
     key = active.channel_key(tensor)
-    if key is None:
-        return None
-    engine = _engines.get(key)
-    if engine is None:
+    engine = None if key is None else _engines.get(key)
+    if key is not None and engine is None:
         with _transport_lock:
-            engine = _engines.get(key)
-            if engine is None:
-                engine = ChannelEngine(active.channel(tensor), active)
-                _engines[key] = engine
+            if key not in _engines:
+                _engines[key] = ChannelEngine(active.channel(tensor), active)
+            engine = _engines[key]
     return engine

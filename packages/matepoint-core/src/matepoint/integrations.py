@@ -113,8 +113,7 @@ def enable_hf_gradient_checkpointing(model: nn.Module, **checkpoint_kwargs: Any)
     # What transformers hands its own (replaced) checkpoint; only use_reentrant matters to it.
     hf_kwargs = {"use_reentrant": function.keywords["use_reentrant"]}
     # transformers 5 renamed the method and warns (FutureWarning) on the old name.
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if callable(enable):
+    if callable(enable := getattr(model, "activation_checkpointing_enable", None)):
         enable(activation_checkpointing_kwargs=hf_kwargs)
     elif callable(legacy_enable := getattr(model, "gradient_checkpointing_enable", None)):
         legacy_enable(gradient_checkpointing_kwargs=hf_kwargs)
@@ -175,9 +174,5 @@ def apply_matepoint_checkpointing(
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint`.
             ``use_reentrant`` defaults to ``False``.
     """
-    torch_apply_activation_checkpointing(
-        model,
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, **checkpoint_kwargs),
-        check_fn=check_fn,
-        auto_wrap_policy=auto_wrap_policy,
-    )
+    wrap = functools.partial(checkpoint_wrapper, **checkpoint_kwargs)
+    torch_apply_activation_checkpointing(model, wrap, check_fn, auto_wrap_policy)
