@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -98,36 +98,8 @@ def _offload_as_save(policy: Callable[..., Any], pending: _Pending | None) -> Ca
     return decide
 
 
-def _replace_last_entry(
-    storage: MutableMapping[Any, Any], func: Any, args: Any, offload: Callable[[Any], Any]
-) -> None:
-    """Offload the tensors of the entry the caching mode has just stored for ``func``.
-
-    See Note [Selective checkpointing's storage] for the two layouts: the entry is the list's
-    last item or the dict's last inserted key (the policy wrapper answered "save" for this op, so
-    the caching mode has stored it).
-    """
-    container = storage[_storage_key(func, args)]
-    index = next(reversed(container)) if isinstance(container, dict) else -1
-
-    def replace(leaf: Any) -> Any:
-        if (
-            type(leaf) is _VersionWrapper
-            and isinstance(leaf.val, torch.Tensor)
-            and getattr(leaf, "unpack_hook", None) is None
-        ):
-            return offload(leaf.val)
-        return leaf
-
-    # A dispatch mode's handler runs with the ADInplaceOrView key excluded, where detach()
-    # makes an alias with a fresh version counter: matepoint's version witness would then miss
-    # later in-place writes. torch's own ``_detach_helper`` lifts the exclusion the same way.
-    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
-        container[index] = tree_map(replace, container[index])
-
-
 class _OffloadingCachingMode(_CachingMode):  # type: ignore[misc]
-    """torch's forward caching mode, with the outputs of offloaded ops handed to ``_offload``.
+    """torch's forward caching mode, handing the outputs of offloaded ops to ``_matepoint_offload``.
 
     Made from the mode the user's ``context_fn`` built (its state copied, so that object stays
     untouched); ``isinstance`` checks torch makes on it (2.14 sets
@@ -141,8 +113,27 @@ class _OffloadingCachingMode(_CachingMode):  # type: ignore[misc]
         pending = self._matepoint_pending
         pending.offload = False
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if pending.offload and self._matepoint_offload is not None:
-            _replace_last_entry(self.storage, func, args, self._matepoint_offload)
+        offload = self._matepoint_offload
+        if not pending.offload or offload is None:
+            return out
+        # The policy wrapper answered "save", so the mode has just stored this op's entry: the
+        # list's last item or the dict's last inserted key (Note [Selective checkpointing's
+        # storage]).
+        container = self.storage[_storage_key(func, args)]
+        index = next(reversed(container)) if isinstance(container, dict) else -1
+
+        def replace(leaf: Any) -> Any:
+            # From 2.14 a wrapper with an unpack hook holds what matepoint's hooks packed already.
+            if type(leaf) is not _VersionWrapper or getattr(leaf, "unpack_hook", None) is not None:
+                return leaf
+            return offload(leaf.val) if isinstance(leaf.val, torch.Tensor) else leaf
+
+        # A dispatch mode's handler runs with the ADInplaceOrView key excluded, where detach()
+        # makes an alias with a fresh version counter: matepoint's version witness would then
+        # miss later in-place writes. torch's own ``_detach_helper`` lifts the exclusion the
+        # same way.
+        with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+            container[index] = tree_map(replace, container[index])
         return out
 
 
