@@ -430,7 +430,7 @@ def test_shared_records_are_forgotten_with_their_graph(transport: CPUTestTranspo
             out.sum().backward()
             del out
     assert_nothing_leaked()
-    assert len(engine_of(transport)._shared) == 0
+    assert engine_of(transport)._shared == []
 
 
 def test_prefetch_skips_records_still_on_the_device(fast_transport: CPUTestTransport) -> None:

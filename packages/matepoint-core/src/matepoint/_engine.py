@@ -5,10 +5,12 @@ originals (stash and copies in flight), its pinned pool and its counters. ``mate
 hands it the saved inputs that move; ``matepoint._registry`` keeps one per channel.
 
 Note [Weak record tables]
-    The engine's tables of records (by sequence, by dedupe key, held originals, shared records)
-    are ``WeakValueDictionary`` objects keyed by the record's pack sequence (by its dedupe key in
-    ``_by_key``), so a record autograd drops leaves them by itself, without taking the engine lock
-    (See Note [Record lifetime]). Their iteration order is insertion order, which is pack order.
+    The engine looks records up by pack sequence (``_records``) and by dedupe key (``_by_key``)
+    in ``WeakValueDictionary`` objects, so a record autograd drops leaves them by itself, without
+    taking the engine lock (See Note [Record lifetime]). The engine never iterates over those
+    two: a record dying on another thread (autograd's device threads) could change them under
+    the iteration. What it iterates, the held originals and the shared records, are plain lists
+    of weak references, changed only under the lock, whose dead entries it drops itself.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ class ChannelEngine:
         # See Note [Weak record tables].
         self._records: weakref.WeakValueDictionary[int, Record] = weakref.WeakValueDictionary()
         self._by_key: weakref.WeakValueDictionary[Hashable, Record] = weakref.WeakValueDictionary()
-        self._held: weakref.WeakValueDictionary[int, Record] = weakref.WeakValueDictionary()
-        self._shared: weakref.WeakValueDictionary[int, Record] = weakref.WeakValueDictionary()
+        self._held: list[weakref.ref[Record]] = []
+        self._shared: list[weakref.ref[Record]] = []
         self._timings: deque[Any] = deque()
         self._in_flight: deque[tuple[Any, int]] = deque()
 
@@ -79,7 +81,8 @@ class ChannelEngine:
                 self.counters.dedupe_hits += 1
                 shared.packs += 1
                 shared.last_use = self._sequence
-                self._shared[shared.sequence] = shared
+                if shared.packs == 2:
+                    self._shared.append(weakref.ref(shared))
                 return shared
             nbytes = tensor.numel() * tensor.element_size()
             block = self.pool.acquire(nbytes, options, on_side_stream=options.pipelined)
@@ -93,8 +96,8 @@ class ChannelEngine:
                 self.channel.copy_out_now(tensor, record.host)
             # Settle older originals first: the newest is in use by the call now running.
             self._release_held(options)
-            self._records[record.sequence] = self._held[record.sequence] = record
-            self._by_key[key] = record
+            self._records[record.sequence] = self._by_key[key] = record
+            self._held.append(weakref.ref(record))
             self._order.append(record.sequence)
             self.counters.offloads += 1
             self.counters.bytes_offloaded += nbytes
@@ -108,19 +111,20 @@ class ChannelEngine:
         """
         while self._in_flight and self.channel.is_complete(self._in_flight[0][0]):
             self._in_flight.popleft()
-        held = list(self._held.values())
+        held = [record for reference in self._held if (record := reference()) is not None]
         held_bytes = sum(record.nbytes for record in held)
         for record in held:
             if held_bytes > options.stash_bytes and self._let_go(record):
                 held_bytes -= record.nbytes
-                del self._held[record.sequence]
+        held = [record for record in held if record.device_tensor is not None]
+        self._held = [weakref.ref(record) for record in held]
         in_flight_bytes = sum(nbytes for _, nbytes in self._in_flight)
         while in_flight_bytes > options.max_inflight_bytes:
             event, nbytes = self._in_flight.popleft()
             in_flight_bytes -= nbytes
             self._wait_for_copy(event)
         watched = 0
-        for record in list(self._held.values()):
+        for record in held:
             # Still held (kept above) with its copy perhaps still running.
             if record.copy_event is not None:
                 watched += record.nbytes
@@ -236,8 +240,9 @@ class ChannelEngine:
         window_start = self._order[max(index - options.prefetch, 0)]
         self._start_prefetches(
             candidate
-            for candidate in list(self._shared.values())
-            if candidate is not record
+            for reference in self._shared
+            if (candidate := reference()) is not None
+            and candidate is not record
             and candidate.pipelined
             and window_start <= candidate.last_use <= record.sequence
         )
@@ -300,8 +305,11 @@ class ChannelEngine:
 
     def _settle_graveyard(self) -> None:
         """Return dead records' host blocks to the pool. See Note [Record lifetime]."""
+        settled = bool(self.graveyard)
         while self.graveyard:
             self.pool.give_back(self.graveyard.popleft())
+        if settled:
+            self._shared = [reference for reference in self._shared if reference() is not None]
         if len(self._order) > 2 * len(self._records) + 16:
             self._order = [sequence for sequence in self._order if sequence in self._records]
 
@@ -336,7 +344,7 @@ class ChannelEngine:
     def held_bytes(self) -> int:
         """Return device bytes of originals the engine still references (stash and in flight)."""
         with self.lock:
-            return sum(record.nbytes for record in self._held.values())
+            return sum(record.nbytes for reference in self._held if (record := reference()))
 
     def release_pool(self) -> int:
         """Free idle pinned blocks; return the bytes freed."""
