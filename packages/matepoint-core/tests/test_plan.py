@@ -411,8 +411,8 @@ def test_recommend_offloads_nothing_when_torch_checkpoint_fits() -> None:
 
 
 def test_threshold_candidates_are_round() -> None:
-    from matepoint._plan_engine import SavedInput
-    from matepoint._plan_recommend import _threshold_classes
+    from matepoint._plan import _threshold_classes
+    from matepoint._plan_step import SavedInput
 
     def saves(*sizes: int) -> tuple[SavedInput, ...]:
         return tuple(

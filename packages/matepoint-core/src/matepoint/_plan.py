@@ -10,38 +10,28 @@ compute time, and it proposes options that fit a device-memory budget.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import textwrap
 from collections.abc import Callable
-from functools import partial
-from typing import Any, cast
+from functools import cache, partial
+from itertools import accumulate
+from typing import Any
 
 import torch
 
 from matepoint._budget import BudgetPlan, fastest_under
 from matepoint._budget_profile import DeviceModel
 from matepoint._options import OffloadOptions, OffloadSettings, get_options, resolve
-from matepoint._plan_engine import SavedInput, Strategy
-from matepoint._plan_recommend import Recommendation, recommend
-from matepoint._plan_step import StrategyPlan, TimelinePoint, run_step
+from matepoint._plan_step import SavedInput, StrategyPlan, TimelinePoint, run_step
 
-__all__ = [
-    "DEFAULT_LINK_BANDWIDTH",
-    "DEFAULT_PEAK_FLOPS",
-    "STRATEGIES",
-    "MemoryPlan",
-    "Recommendation",
-    "StrategyPlan",
-    "TimelinePoint",
-    "plan",
-]
+__all__ = ["MemoryPlan", "Recommendation", "StrategyPlan", "TimelinePoint", "plan"]
 
+# Bytes per second each way: pinned copies measured on an H200 host (PCIe 5).
 DEFAULT_LINK_BANDWIDTH = 55e9
-"""Bytes per second each way: pinned copies measured on an H200 host (PCIe 5)."""
+# FLOP/s: dense bf16 peak of an H100 / H200.
 DEFAULT_PEAK_FLOPS = 989e12
-"""FLOP/s: dense bf16 peak of an H100 / H200."""
 STRATEGIES = ("none", "torch", "matepoint")
-
 _GB = 1e9
 _GIB = float(1 << 30)
 
@@ -115,12 +105,10 @@ class MemoryPlan:
             The chosen plan (``fits`` False, and the smallest budget that would fit, if none
             does).
         """
-        if device is None:
-            device = DeviceModel(
-                peak_flops=self.peak_flops,
-                to_host_bandwidth=self.link_bandwidth,
-                to_device_bandwidth=self.link_bandwidth,
-            )
+        link = self.link_bandwidth
+        device = device or DeviceModel(
+            self.peak_flops, to_host_bandwidth=link, to_device_bandwidth=link
+        )
 
         def run(context_fn: Callable[[], Any] | None, settings: OffloadSettings) -> StrategyPlan:
             return self.replan(settings, context_fn=context_fn)[0]
@@ -148,7 +136,38 @@ class MemoryPlan:
         }
 
     def __str__(self) -> str:
-        return format_plan(self)
+        """Render the plan as an aligned text table, one column per strategy."""
+        plans = list(self.strategies.values())
+
+        def gib(value: int) -> str:
+            return f"{value / _GIB:.2f} GiB"
+
+        def ms(value: float) -> str:
+            return f"{value * 1e3:.1f} ms"
+
+        lines = [
+            "matepoint plan (one training step, no GPU used)",
+            _row("", [plan.strategy for plan in plans]),
+            _row("peak device memory", [gib(plan.peak_bytes) for plan in plans]),
+            _row("held after forward", [gib(plan.held_after_forward_bytes) for plan in plans]),
+            _row("pinned host RAM", [gib(plan.pinned_bytes) for plan in plans]),
+            _row("to host / to device", [
+                f"{plan.bytes_to_host / _GB:.2f}/{plan.bytes_to_device / _GB:.2f} GB"
+                for plan in plans
+            ]),
+            _row("link time (each way)", [
+                f"{ms(plan.to_host_seconds)}/{ms(plan.to_device_seconds)}" for plan in plans
+            ]),
+            _row("compute est. fwd/bwd", [
+                f"{ms(plan.forward_seconds)}/{ms(plan.backward_seconds)}" for plan in plans
+            ]),
+        ]  # fmt: skip
+        note = (
+            f"link {self.link_bandwidth / _GB:.0f} GB/s each way; compute at "
+            f"{self.peak_flops / 1e12:.0f} TFLOP/s. {ESTIMATE_NOTE}"
+        )
+        lines += textwrap.wrap(note, width=96, initial_indent="  ", subsequent_indent="  ")
+        return "\n".join(lines)
 
 
 ESTIMATE_NOTE = (
@@ -160,40 +179,6 @@ ESTIMATE_NOTE = (
 
 def _row(label: str, values: list[str]) -> str:
     return f"  {label:<26}" + "".join(f"{value:>16}" for value in values)
-
-
-def format_plan(memory_plan: MemoryPlan) -> str:
-    """Render a plan as an aligned text table (``str(plan)``)."""
-    plans = list(memory_plan.strategies.values())
-
-    def gib(value: int) -> str:
-        return f"{value / _GIB:.2f} GiB"
-
-    def ms(value: float) -> str:
-        return f"{value * 1e3:.1f} ms"
-
-    lines = [
-        "matepoint plan (one training step, no GPU used)",
-        _row("", [plan.strategy for plan in plans]),
-        _row("peak device memory", [gib(plan.peak_bytes) for plan in plans]),
-        _row("held after forward", [gib(plan.held_after_forward_bytes) for plan in plans]),
-        _row("pinned host RAM", [gib(plan.pinned_bytes) for plan in plans]),
-        _row("to host / to device", [
-            f"{plan.bytes_to_host / _GB:.2f}/{plan.bytes_to_device / _GB:.2f} GB" for plan in plans
-        ]),
-        _row("link time (each way)", [
-            f"{ms(plan.to_host_seconds)}/{ms(plan.to_device_seconds)}" for plan in plans
-        ]),
-        _row("compute est. fwd/bwd", [
-            f"{ms(plan.forward_seconds)}/{ms(plan.backward_seconds)}" for plan in plans
-        ]),
-    ]  # fmt: skip
-    note = (
-        f"link {memory_plan.link_bandwidth / _GB:.0f} GB/s each way; compute at "
-        f"{memory_plan.peak_flops / 1e12:.0f} TFLOP/s. {ESTIMATE_NOTE}"
-    )
-    lines += textwrap.wrap(note, width=96, initial_indent="  ", subsequent_indent="  ")
-    return "\n".join(lines)
 
 
 def plan(
@@ -272,28 +257,172 @@ def plan(
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:
         raise ValueError(f"unknown strategies {sorted(unknown)}; known: {', '.join(STRATEGIES)}")
+    run = partial(run_step, fn, example_args, example_kwargs, loss_fn, link_bandwidth, peak_flops)
+    results = {strategy: run(strategy, options) for strategy in strategies}
+    saves = results["matepoint"][1] if "matepoint" in results else ()
+    plans = {strategy: result[0] for strategy, result in results.items()}
+    return MemoryPlan(plans, options, link_bandwidth, peak_flops, saves, partial(run, "matepoint"))
 
-    def run(
-        strategy: str,
-        settings: OffloadSettings | None,
-        context_fn: Callable[[], Any] | None = None,
-    ) -> tuple[StrategyPlan, Any]:
-        return run_step(
-            fn,
-            example_args,
-            example_kwargs,
-            strategy=cast(Strategy, strategy),
-            options=settings,
-            loss_fn=loss_fn,
-            link_bandwidth=link_bandwidth,
-            peak_flops=peak_flops,
-            context_fn=context_fn,
+
+# -- recommending offload options -------------------------------------------------------------
+
+_MAX_THRESHOLDS = 6
+_OFFLOADABLE = ("offloaded", "shared", "small")
+_Replan = Callable[[OffloadSettings], tuple[StrategyPlan, tuple[SavedInput, ...]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """Options proposed for a device-memory budget, or what would fit if nothing does.
+
+    Three options trade device memory against link traffic: ``min_offload_bytes`` keeps small
+    inputs on the device (no copy either way), ``stash_bytes`` keeps the newest inputs on the
+    device (their copy to the host still happens, the copy back does not), and ``prefetch``
+    holds copies back ahead of need (no traffic, only memory and overlap). The search re-plans
+    the step on the meta device for each candidate.
+
+    It first finds the deepest look-ahead (up to the current ``prefetch``) with which
+    the most frugal options fit (every input offloaded, nothing stashed). It then tries each
+    size class of checkpoint inputs as the ``min_offload_bytes`` threshold, from offloading
+    everything up, and for each the largest stash that still fits (binary search over the
+    newest inputs), and keeps the fitting candidate with the fewest link bytes.
+
+    Attributes:
+        budget_bytes: The device-memory budget.
+        fits: Whether some options fit.
+        options: The proposal (``None`` if nothing fits).
+        plan: The matepoint step planned with the proposal, or with the most frugal options
+            when nothing fits.
+        minimum_peak_bytes: The peak of the most frugal options (every input offloaded,
+            nothing stashed) at the chosen look-ahead, or without look-ahead if nothing fits.
+        fixed_bytes: Parameters and their gradients: memory a smaller batch does not shrink.
+        batch_fraction: When nothing fits, the estimated fraction of the example batch that
+            would (activation memory taken as proportional to the batch); else ``None``.
+        steps_planned: How many meta steps the search ran.
+    """
+
+    budget_bytes: int
+    fits: bool
+    options: OffloadSettings | None
+    plan: StrategyPlan
+    minimum_peak_bytes: int
+    fixed_bytes: int
+    batch_fraction: float | None
+    steps_planned: int
+
+    def __str__(self) -> str:
+        budget = f"{self.budget_bytes / _GIB:.2f} GiB"
+        options = self.options
+        if options is None:
+            scale = ""
+            if self.batch_fraction == 0:
+                scale = "; those alone exceed the budget, whatever the batch"
+            elif self.batch_fraction is not None:
+                scale = (
+                    f"; about {self.batch_fraction:.2f}x the example batch would fit "
+                    "(activations taken as proportional to the batch)"
+                )
+            return (
+                f"nothing fits {budget}: the most frugal options peak at "
+                f"{self.minimum_peak_bytes / _GIB:.2f} GiB, of which "
+                f"{self.fixed_bytes / _GIB:.2f} GiB are parameters and gradients{scale}"
+            )
+        traffic = self.plan.link_bytes
+        what = (
+            "no offloading needed (torch's checkpoint fits)"
+            if traffic == 0
+            else f"{traffic / 1e9:.2f} GB over the link per step"
+        )
+        return (
+            f"fits {budget} with stash_bytes={options.stash_bytes}, prefetch={options.prefetch}, "
+            f"min_offload_bytes={options.min_offload_bytes}: peak "
+            f"{self.plan.peak_bytes / _GIB:.2f} GiB, {what}"
         )
 
-    plans: dict[str, StrategyPlan] = {}
-    saves: tuple[SavedInput, ...] = ()
-    for strategy in strategies:
-        plans[strategy], strategy_saves = run(strategy, options)
-        if strategy == "matepoint":
-            saves = strategy_saves
-    return MemoryPlan(plans, options, link_bandwidth, peak_flops, saves, partial(run, "matepoint"))
+
+def _threshold_classes(saves: tuple[SavedInput, ...], current: int) -> list[int]:
+    """Candidate ``min_offload_bytes``, one per distinct set of inputs kept on the device.
+
+    Thresholds between two size classes keep the same inputs and plan the same step, so each
+    class is tried once: with the current value if it falls in the class, else with a round
+    value: any value above the kept size and at most the moved one plans the same step, and
+    the smallest power of two above the kept size reads best (1 when nothing is kept), else
+    the size of the smallest input moved.
+    """
+    sizes = sorted({save.nbytes for save in saves if save.fate in _OFFLOADABLE})
+    classes = []
+    for kept, moved in zip([0, *sizes], [*sizes, None], strict=True):
+        power = 1 << kept.bit_length()
+        if kept < current and (moved is None or current <= moved):
+            classes.append(current)
+        else:
+            classes.append(power if moved is None or power <= moved else moved)
+    if len(classes) > _MAX_THRESHOLDS:
+        step = (len(classes) - 1) / (_MAX_THRESHOLDS - 1)
+        classes = sorted({classes[round(i * step)] for i in range(_MAX_THRESHOLDS)})
+    return classes
+
+
+def recommend(base: OffloadSettings, replan: _Replan, budget_bytes: int) -> Recommendation:
+    """Search offload options for ``budget_bytes``; see :class:`Recommendation`.
+
+    Args:
+        base: The options planned; the search changes three of them.
+        replan: Plans the matepoint step with other options.
+        budget_bytes: Device bytes the step may use.
+
+    Returns:
+        The recommendation.
+    """
+
+    @cache
+    def evaluate(
+        min_offload: int, stash: int, prefetch: int
+    ) -> tuple[StrategyPlan, tuple[SavedInput, ...]]:
+        return replan(options(min_offload, stash, prefetch))
+
+    def options(min_offload: int, stash: int, prefetch: int) -> OffloadSettings:
+        return dataclasses.replace(
+            base, min_offload_bytes=min_offload, stash_bytes=stash, prefetch=prefetch
+        )
+
+    def peak(min_offload: int, stash: int) -> int:
+        return evaluate(min_offload, stash, prefetch)[0].peak_bytes
+
+    frugal, saves = evaluate(1, 0, base.prefetch)
+    thresholds = _threshold_classes(saves, base.min_offload_bytes)
+    fixed = 2 * frugal.parameter_bytes
+    # The first class keeps the same inputs as 1 (none): the same step, so it is planned with 1.
+    for prefetch in range(base.prefetch, -1, -1):
+        frugal = evaluate(1, 0, prefetch)[0]
+        if frugal.peak_bytes <= budget_bytes:
+            break
+    else:
+        activations = frugal.peak_bytes - fixed
+        fraction = max(0.0, (budget_bytes - fixed) / activations) if activations > 0 else None
+        runs = evaluate.cache_info().misses
+        return Recommendation(
+            budget_bytes, False, None, frugal, frugal.peak_bytes, fixed, fraction, runs
+        )
+
+    candidates: list[tuple[StrategyPlan, OffloadSettings]] = []
+    for threshold in thresholds:
+        planned = 1 if threshold == thresholds[0] else threshold
+        first, saves = evaluate(planned, 0, prefetch)
+        if first.peak_bytes > budget_bytes:
+            break  # larger thresholds keep more on the device
+        offloaded = [save.nbytes for save in saves if save.fate == "offloaded"]
+        # The newest input is always held; the stash counts the ones before it, newest first.
+        levels = [0, *accumulate(reversed(offloaded[:-1]))]
+        # The largest stash that fits: peaks grow with the stash, and the first level fits.
+        stash = levels[
+            bisect.bisect_right(levels, budget_bytes, lo=1, key=partial(peak, planned)) - 1
+        ]
+        candidates.append(
+            (evaluate(planned, stash, prefetch)[0], options(threshold, stash, prefetch))
+        )
+    best, best_options = min(candidates, key=lambda pair: (pair[0].link_bytes, pair[0].peak_bytes))
+    runs = evaluate.cache_info().misses
+    return Recommendation(
+        budget_bytes, True, best_options, best, frugal.peak_bytes, fixed, None, runs
+    )

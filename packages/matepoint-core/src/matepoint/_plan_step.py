@@ -2,27 +2,43 @@
 
 The step is the user's own code: ``matepoint.checkpoint`` runs as always, with a planning scope
 on the thread (see Note [Planning scope] in ``matepoint._registry``) that sends its saved inputs
-to the planner's own engine (see Note [Planner fidelity] in ``matepoint._plan_engine``) and, for
-the no-checkpoint strategy, runs each checkpointed function directly.
+to the planner's own engine and, for the no-checkpoint strategy, runs each checkpointed function
+directly.
+
+Note [Planner fidelity]
+    The planner predicts what matepoint does by running the code that does it: the checkpoint,
+    ``matepoint._saving.pack``'s keep rules and :class:`~matepoint._engine.ChannelEngine` (dedupe,
+    the stash, release of originals, fetches and look-ahead in backward, the exact-size
+    :class:`~matepoint._pool.PinnedPool`), attached through the planning scope. Only the channel
+    differs: :class:`MetaChannel` copies nothing. Its copies have finished when they are queued
+    (a copy back is an empty meta tensor, which the memory tracker counts), its host blocks are
+    meta tensors the tracker does not count, and it names memory by storage, since every meta
+    tensor's ``data_ptr`` is 0. So one assumption differs from a GPU: a copy to the host has
+    finished by the next offload (a released original is freed at once, never held by a copy
+    still running), which holds whenever the link keeps up with compute.
+    ``tests/test_plan_conformance.py`` runs the CPU test transport and the planner on the same
+    models and compares every counter.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+import operator
+from collections.abc import Callable, Hashable
+from typing import Any, cast
 
 import torch
 
 import matepoint_compat as compat
-from matepoint._options import OffloadSettings
-from matepoint._plan_cuda import CudaKernels
-from matepoint._plan_engine import PlannedStep, SavedInput, Strategy
-from matepoint._plan_trace import PHASES, MemoryTracker
+from matepoint._engine import ChannelEngine
+from matepoint._options import OffloadSettings, ResolvedOptions
+from matepoint._plan_trace import PHASES, CudaKernels, MemoryTracker
 from matepoint._registry import planning_scope
+from matepoint._saving import KeepReason, count_kept
 from matepoint._stats import OffloadStats
+from matepoint._transport import Channel
 
-__all__ = ["StrategyPlan", "TimelinePoint", "run_step"]
+__all__ = ["MetaChannel", "PlannedStep", "SavedInput", "StrategyPlan", "TimelinePoint", "run_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +59,9 @@ class TimelinePoint:
     host_bytes: int
     host_in_use_bytes: int
     phase: str
+
+
+_device_bytes = operator.attrgetter("device_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,48 +128,143 @@ class StrategyPlan:
     def to_dict(self, max_points: int = 2000) -> dict[str, Any]:
         """Return a JSON-ready dict, the timeline thinned to at most ``max_points`` points.
 
-        Thinning keeps every local extreme it can, so the peak survives.
+        Thinning keeps the highest and the lowest point of every stretch of the timeline
+        (at most two per ``max_points``-th of it), so the peak survives.
         """
         fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        fields["timeline"] = [
-            dataclasses.astuple(point) for point in _thin(self.timeline, max_points)
-        ]
+        stride = -(-len(self.timeline) // max_points)
+        kept: list[TimelinePoint] = []
+        for start in range(0, len(self.timeline), stride):
+            window = self.timeline[start : start + stride]
+            extremes = (max(window, key=_device_bytes), min(window, key=_device_bytes))
+            kept.extend(point for point in window if any(point is e for e in extremes))
+        fields["timeline"] = [dataclasses.astuple(point) for point in kept]
         fields["timeline_columns"] = [field.name for field in dataclasses.fields(TimelinePoint)]
         return fields
 
 
-def _thin(points: tuple[TimelinePoint, ...], limit: int) -> list[TimelinePoint]:
-    if len(points) <= limit:
-        return list(points)
-    stride = -(-len(points) // limit)
-    kept: list[TimelinePoint] = []
-    for start in range(0, len(points), stride):
-        window = points[start : start + stride]
-        top = max(window, key=lambda point: point.device_bytes)
-        low = min(window, key=lambda point: point.device_bytes)
-        kept.extend(sorted({id(top): top, id(low): low}.values(), key=window.index))
-    return kept
+@dataclasses.dataclass(frozen=True)
+class SavedInput:
+    """One tensor a checkpoint saved for recomputation, and what matepoint did with it.
+
+    Attributes:
+        index: Order of the save in the step (0 for the first).
+        nbytes: Its bytes.
+        shape: Its shape.
+        dtype: Its dtype, as a string (``"torch.bfloat16"``).
+        fate: ``"offloaded"`` (copied to host memory), ``"shared"`` (already offloaded by another
+            checkpoint: dedupe), ``"small"`` (below ``min_offload_bytes``, kept on the device),
+            ``"parameter"`` or ``"other"`` (kept: not on the device, not dense, a subclass...).
+    """
+
+    index: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    fate: str
+
+
+class MetaChannel:
+    """A transport, and its one channel, over meta tensors that moves nothing.
+
+    See Note [Planner fidelity].
+    """
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        self.allocate_host = self.allocate_pageable = tracker.allocate_uncounted
+
+    def channel_key(self, tensor: torch.Tensor) -> Hashable | None:
+        return "plan" if tensor.device.type == "meta" else None
+
+    def channel(self, tensor: torch.Tensor) -> Channel:
+        return self
+
+    def memory_key(self, tensor: torch.Tensor) -> Hashable:
+        return id(tensor.untyped_storage()), tensor.storage_offset()
+
+    def copy_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return self.copy_in_now(host), None
+
+    def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device="meta")
+
+    def is_complete(self, event: Any) -> bool:
+        return True
+
+    def _nothing(self, *args: Any) -> None:
+        """Queue, mark or release nothing: the meta device copies nothing and keeps no streams."""
+
+    def _no_wait(self, *args: Any) -> float:
+        return 0.0
+
+    current_compute = copy_out = copy_out_now = hand_to_compute = release_original = _nothing
+    synchronize = wait_seconds = _no_wait
+
+
+class PlannedStep:
+    """One planned step's :class:`matepoint._registry.Planning`: its engine, options and saves.
+
+    Args:
+        tracker: The step's memory tracker (it reads the host pool at every sample).
+        strategy: ``"matepoint"`` offloads; ``"torch"`` checkpoints without offloading;
+            ``"none"`` runs each checkpointed function directly.
+        options: Settings for every offloading call instead of its own, or None.
+        context_fn: A ``context_fn`` for every non-reentrant checkpoint call instead of its
+            own, or None.
+    """
+
+    def __init__(
+        self,
+        tracker: MemoryTracker,
+        strategy: str,
+        options: OffloadSettings | None,
+        context_fn: Callable[[], Any] | None,
+    ) -> None:
+        self.strategy = strategy
+        self.context_fn = context_fn
+        channel = MetaChannel(tracker)
+        self.engine = ChannelEngine(channel, channel)
+        self.engine.pool.warn_on_fallback = False
+        self._override = {} if options is None else dataclasses.asdict(options)
+        self.saves: list[SavedInput] = []
+        self.raise_policy = False
+        self.peak_pageable_bytes = 0
+        tracker.host = self._host
+
+    def options_for(self, call: ResolvedOptions | None) -> ResolvedOptions | None:
+        if call is None or self.strategy != "matepoint":
+            return None
+        call = dataclasses.replace(call, **self._override)
+        # The plan reports that the step would raise (pool_would_raise) and goes on.
+        self.raise_policy |= call.on_pool_exhausted == "raise"
+        return dataclasses.replace(call, on_pool_exhausted="pageable")
+
+    def saved(self, tensor: torch.Tensor, fate: str) -> None:
+        if fate not in ("offloaded", "shared"):
+            count_kept(self.engine.counters, cast(KeepReason, fate))
+        if tensor.numel():
+            nbytes = tensor.numel() * tensor.element_size()
+            shape, dtype = tuple(tensor.shape), str(tensor.dtype)
+            self.saves.append(SavedInput(len(self.saves), nbytes, shape, dtype, fate))
+
+    def _host(self) -> tuple[int, int]:
+        pool = self.engine.pool
+        self.peak_pageable_bytes = max(self.peak_pageable_bytes, pool.pageable_bytes)
+        return pool.pinned_bytes + pool.pageable_bytes, pool.in_use_bytes + pool.pageable_bytes
 
 
 def _adopt_existing(tracker: MemoryTracker, fn: Any, values: Any) -> None:
     """Count what exists before the step: the function's module state and the arguments."""
     module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    if isinstance(module, torch.nn.Module):
-        devices = {tensor.device.type for tensor in (*module.parameters(), *module.buffers())}
-        if devices - {"meta"}:
-            raise ValueError(
-                "matepoint.plan runs the step on the meta device, where tensors hold no memory, "
-                f"but the model has parameters or buffers on {', '.join(devices - {'meta'})}; "
-                "build it under `with torch.device('meta'):` (or pass device='meta')"
-            )
-        for tensor in (*module.parameters(), *module.buffers()):
-            tracker.adopt(tensor)
-            if tensor.grad is not None:
-                tracker.adopt(tensor.grad)
-    leaves, _ = compat.tree_flatten(values)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            tracker.adopt(leaf)
+    state = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
+    devices = {tensor.device.type for tensor in state} - {"meta"}
+    if devices:
+        raise ValueError(
+            "matepoint.plan runs the step on the meta device, where tensors hold no memory, "
+            f"but the model has parameters or buffers on {', '.join(devices)}; "
+            "build it under `with torch.device('meta'):` (or pass device='meta')"
+        )
+    tracker.watch((state, [tensor.grad for tensor in state], values), preexisting=True)
 
 
 def _loss_of(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
@@ -165,22 +279,18 @@ def _loss_of(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torc
         raise ValueError(
             "matepoint.plan: the function returned no tensor that requires grad; pass loss_fn="
         )
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
+    return sum(terms[1:], terms[0])
 
 
 def run_step(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    *,
-    strategy: Strategy,
-    options: OffloadSettings | None,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     link_bandwidth: float,
     peak_flops: float,
+    strategy: str,
+    options: OffloadSettings | None,
     context_fn: Callable[[], Any] | None = None,
 ) -> tuple[StrategyPlan, tuple[SavedInput, ...]]:
     """Run forward and backward of ``fn`` once under ``strategy`` and report its memory.
@@ -189,46 +299,48 @@ def run_step(
         fn: The model or function; its tensors must be on the meta device.
         args: Its positional arguments.
         kwargs: Its keyword arguments.
-        strategy: ``"none"``, ``"torch"`` or ``"matepoint"``.
-        options: Settings every offloading checkpoint uses instead of its own, or None.
         loss_fn: Turns the output into the loss; None sums it.
         link_bandwidth: Bytes per second each way, for the link times.
         peak_flops: FLOP/s, for the compute times.
+        strategy: ``"none"``, ``"torch"`` or ``"matepoint"``.
+        options: Settings every offloading checkpoint uses instead of its own, or None.
         context_fn: A ``context_fn`` for every non-reentrant checkpoint call instead of its
             own (a budget plan's selective-checkpoint policy), or None. Default: None.
 
     Returns:
         The step's plan, and every checkpoint input matepoint saw, in order.
     """
-    tracker = MemoryTracker("meta")
+    tracker = MemoryTracker()
     planned = PlannedStep(tracker, strategy, options, context_fn)
     engine = planned.engine
     with planning_scope(planned), compat.meta_checkpointing(), tracker, CudaKernels(tracker):
         _adopt_existing(tracker, fn, (args, kwargs))
         with torch.enable_grad():
             loss = _loss_of(fn(*args, **kwargs), loss_fn)
-        tracker.mark("forward_end")
+        forward_flops, forward_end_bytes = tracker.end_phase()[:2]
         compat.run_backward(loss)
         del loss
         engine.settle(block=False)  # what died at the end of the step, as stats() settles it
-        tracker.mark("backward_end")
+        tracker.end_phase()
         tracker.close()
     stats = OffloadStats()
     stats.add(engine.counters)
     stats.add(engine.pool.snapshot())
     stats.live_records, stats.device_bytes_held = engine.live_records(), engine.held_bytes()
     counters = {name: int(value) for name, value in dataclasses.asdict(stats).items()}
-    samples = tracker.samples
-    forward_end = samples[tracker.marks["forward_end"]][1]
-    forward_flops = tracker.flops_at["forward_end"]
+    baseline = tracker.preexisting_bytes
+    timeline = tuple(
+        TimelinePoint(flops, device + baseline, host, in_use, PHASES[phase])
+        for flops, device, host, in_use, phase in tracker.samples
+    )
     backward_flops = tracker.flops - forward_flops
     to_host, to_device = counters["bytes_offloaded"], counters["bytes_fetched"]
     plan = StrategyPlan(
         strategy=strategy,
-        peak_bytes=tracker.peak_bytes(),
-        baseline_bytes=tracker.preexisting_bytes,
+        peak_bytes=max(point.device_bytes for point in timeline),
+        baseline_bytes=baseline,
         parameter_bytes=tracker.parameter_bytes,
-        held_after_forward_bytes=forward_end - samples[0][1],
+        held_after_forward_bytes=forward_end_bytes,  # the step starts at 0
         pinned_bytes=engine.pool.pinned_bytes,
         pageable_bytes=planned.peak_pageable_bytes,
         bytes_to_host=to_host,
@@ -240,10 +352,7 @@ def run_step(
         forward_seconds=forward_flops / peak_flops,
         backward_seconds=backward_flops / peak_flops,
         counters=counters,
-        pool_would_raise=planned.pool_would_raise,
-        timeline=tuple(
-            TimelinePoint(flops, device + tracker.preexisting_bytes, host, in_use, PHASES[phase])
-            for flops, device, host, in_use, phase in samples
-        ),
+        pool_would_raise=planned.raise_policy and engine.pool.pageable_fallbacks > 0,
+        timeline=timeline,
     )
     return plan, tuple(planned.saves)

@@ -1,4 +1,4 @@
-"""The planner's memory tracker: device bytes alive, op by op, during a step on the meta device.
+"""The planner's view of a step on the meta device: device bytes alive op by op, and FLOPs.
 
 Meta tensors have shapes, dtypes and storages but no memory, so a step on them costs no memory
 and little time. Every operator output is seen by a dispatch mode, and every storage is watched
@@ -10,228 +10,314 @@ Note [Bytes before the step]
     Parameters, buffers, inputs and gradients existing before the step are allocated before
     tracking starts. The tracker learns of them when they are adopted (the function's module
     and arguments) or first used by an operator, and counts them from the step's start: a
-    timeline sample stores the bytes allocated during the step minus the pre-existing bytes
-    freed so far, and the pre-existing total (known at the end) is added when reporting.
+    timeline sample stores the bytes allocated during the step minus every byte freed so far,
+    and the pre-existing total (known at the end) is added when reporting.
+
+Note [cuBLAS workspaces]
+    torch gives each thread that runs a matrix product its own cuBLAS handle, with a workspace
+    taken from the caching allocator and kept for the life of the process (cuBLASLt shares it).
+    A training step runs products on two threads: forward on the caller's, backward (and the
+    recomputation) on autograd's device thread. Both workspaces exist from the first step on, so
+    the planner counts one per phase that runs a product, as memory that predates the step.
+
+Note [CUDA kernel stand-ins]
+    On the meta device ``F.scaled_dot_product_attention`` takes the math path, which materialises
+    and saves the ``seq x seq`` attention matrix, and ``F.rms_norm`` saves a float32 copy of its
+    input. On CUDA both run fused kernels (flash or memory-efficient attention; the fused RMS
+    norm from torch 2.9) that save only their inputs, outputs and a few statistics. A planner
+    that ran the meta paths would overstate a transformer's activations several times over, so
+    while planning (:class:`CudaKernels`) these two calls are replaced by autograd functions that
+    allocate and save exactly what the CUDA kernels allocate and save, and count their FLOPs.
+    The attention stand-in's forward is one operator of its own (``matepoint_plan::
+    scaled_dot_product_attention``) rather than bare allocations, so that a selective-checkpoint
+    policy sees it as attention, as it sees CUDA's fused kernels (a budget plan may keep or
+    offload its outputs), and its FLOPs are counted only when it runs, not when a policy serves
+    it cached.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import register_flop_formula
 
 import matepoint_compat as compat
 
-__all__ = ["ALLOCATION_GRANULARITY", "MemoryTracker", "Sample", "allocation_size"]
+__all__ = ["CUBLAS_WORKSPACE_BYTES", "PHASES", "CudaKernels", "MemoryTracker", "Sample"]
 
+# Bytes the CUDA caching allocator rounds every allocation up to (its ``kMinBlockSize``).
 ALLOCATION_GRANULARITY = 512
-"""Bytes the CUDA caching allocator rounds every allocation up to (its ``kMinBlockSize``)."""
-
+# The cuBLAS workspace torch allocates per handle on a Hopper GPU (8 MiB + 128 KiB on older
+# ones). See Note [cuBLAS workspaces].
 CUBLAS_WORKSPACE_BYTES = 32 << 20
-"""The cuBLAS workspace torch allocates per handle on a Hopper GPU (8 MiB + 128 KiB on older ones).
-
-See Note [cuBLAS workspaces]."""
-
-# Note [cuBLAS workspaces]
-#     torch gives each thread that runs a matrix product its own cuBLAS handle, with a workspace
-#     taken from the caching allocator and kept for the life of the process (cuBLASLt shares it).
-#     A training step runs products on two threads: forward on the caller's, backward (and the
-#     recomputation) on autograd's device thread. Both workspaces exist from the first step on, so
-#     the planner counts one per phase that runs a product, as memory that predates the step.
 _MATRIX_PRODUCTS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm"})
-
-Sample = tuple[int, int, int, int, int]
-"""One timeline sample: ``(flops so far, device bytes, host bytes, host bytes in use, phase)``.
-
-Device bytes are relative; see Note [Bytes before the step].
-"""
-
 PHASES = ("forward", "backward", "after")
+# One timeline sample: (FLOPs so far, device bytes, host bytes, host bytes in use, phase index).
+# Device bytes are relative; see Note [Bytes before the step].
+Sample = tuple[int, int, int, int, int]
 
 
-def allocation_size(nbytes: int) -> int:
-    """Return what the CUDA caching allocator counts for a storage of ``nbytes``."""
-    if nbytes <= 0:
-        return 0
-    return -(-nbytes // ALLOCATION_GRANULARITY) * ALLOCATION_GRANULARITY
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Yield the tensors in an operator's arguments or results (tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
-class _Live:
-    """A watched storage: its weak reference, counted bytes and whether it predates the step."""
-
-    __slots__ = ("nbytes", "preexisting", "reference")
-
-    def __init__(self, reference: weakref.ref[Any], nbytes: int, preexisting: bool) -> None:
-        self.reference = reference
-        self.nbytes = nbytes
-        self.preexisting = preexisting
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Count the bytes of live storages on ``device_type`` through a step, and its FLOPs.
-
-    Args:
-        device_type: The device whose memory is counted (``"meta"``, standing in for CUDA).
-        workspace_bytes: The cuBLAS workspace of each thread that runs a matrix product.
-            Default: :data:`CUBLAS_WORKSPACE_BYTES`. See Note [cuBLAS workspaces].
+    """Count the bytes of live storages on the meta device (standing in for CUDA), and FLOPs.
 
     Example:
-        >>> tracker = MemoryTracker("meta")
+        >>> tracker = MemoryTracker()
         >>> with tracker:
         ...     x = torch.empty(1000, device="meta")
-        >>> tracker.peak_bytes()
+        >>> max(sample[1] for sample in tracker.samples)
         4096
     """
 
-    def __init__(
-        self, device_type: str = "meta", workspace_bytes: int = CUBLAS_WORKSPACE_BYTES
-    ) -> None:
+    def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.device_type = device_type
-        self.workspace_bytes = workspace_bytes
-        self.workspace_phases: set[int] = set()
         self.flops = 0
         self.phase = 0
-        self.step_bytes = 0
+        self.product_phases: set[int] = set()
+        self.device_bytes = 0  # See Note [Bytes before the step].
         self.preexisting_bytes = 0
-        self.preexisting_freed = 0
         self.parameter_bytes = 0
         # Host bytes held and in use now (the plan's pinned pool), read at every sample.
         self.host: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.samples: list[Sample] = [(0, 0, 0, 0, 0)]
-        self.marks: dict[str, int] = {}
-        self.flops_at: dict[str, int] = {}
-        self.paused = 0
-        self.closed = False
-        self._live: dict[int, _Live] = {}
-        self._leaves: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-
-    # -- what the step allocates -----------------------------------------------------------
+        self.paused = False
+        # Each watched storage's weak reference and counted bytes (None: never counted).
+        self._watched: dict[int, tuple[weakref.ref[Any], int | None]] = {}
+        self._leaves: list[tuple[Tensor, Tensor | None]] = []
 
     def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.paused:
             return out
-        for tensor in _tensors((args, kwargs)):
-            self._watch(tensor, preexisting=True)
-        flops = compat.op_flops(func, args, kwargs, out)
-        if flops:
-            self.flops += flops
-        if self.phase not in self.workspace_phases and self._is_product(func):
-            # See Note [cuBLAS workspaces].
-            self.workspace_phases.add(self.phase)
-            self.preexisting_bytes += self.workspace_bytes
-        for tensor in _tensors(out):
-            self._watch(tensor, preexisting=False)
+        self.watch((args, kwargs), preexisting=True)
+        self.flops += compat.op_flops(func, args, kwargs, out)
+        if func.overloadpacket.__name__ in _MATRIX_PRODUCTS:
+            self.product_phases.add(self.phase)  # See Note [cuBLAS workspaces].
+        self.watch(out, preexisting=False)
         return out
 
-    @staticmethod
-    def _is_product(func: Any) -> bool:
-        packet = getattr(func, "overloadpacket", None)
-        return getattr(packet, "__name__", "") in _MATRIX_PRODUCTS
+    def allocate_uncounted(self, nbytes: int) -> Tensor:
+        """Return a meta block never counted (a host block: host memory, not device memory)."""
+        self.paused = True
+        block = torch.empty(nbytes, dtype=torch.uint8, device="meta")
+        self.paused = False
+        storage = block.untyped_storage()
+        self._watched[id(storage)] = (weakref.ref(storage, partial(self._freed, id(storage))), None)
+        return block
 
-    def adopt(self, tensor: torch.Tensor) -> None:
-        """Count a tensor that exists before the step (a parameter, an input, a gradient)."""
-        self._watch(tensor, preexisting=True)
+    def watch(self, values: Any, preexisting: bool) -> None:
+        """Count the tensors in ``values`` not yet counted: made before the step or during it.
 
-    def exclude(self, tensor: torch.Tensor) -> None:
-        """Never count ``tensor``'s storage (a host block: host memory, not device memory)."""
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        self._live[key] = _Live(weakref.ref(storage, self._freed_callback(key)), 0, True)
-
-    def _watch(self, tensor: torch.Tensor, preexisting: bool) -> None:
-        if tensor.device.type != self.device_type or tensor.layout != torch.strided:
-            return
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        live = self._live.get(key)
-        nbytes = allocation_size(storage.nbytes())
-        if live is not None:
-            if nbytes != live.nbytes and not live.preexisting:  # resized in place
-                self.step_bytes += nbytes - live.nbytes
-                live.nbytes = nbytes
+        Tensors made before the step (parameters, inputs, gradients) are adopted: see Note
+        [Bytes before the step].
+        """
+        for tensor in compat.tree_flatten(values)[0]:
+            if not isinstance(tensor, Tensor) or tensor.device.type != "meta":
+                continue
+            if tensor.layout != torch.strided:
+                continue
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            nbytes = _round_up(storage.nbytes(), ALLOCATION_GRANULARITY)
+            if key in self._watched:
+                reference, counted = self._watched[key]
+                if counted is not None and counted != nbytes:  # resized in place
+                    self._watched[key] = (reference, nbytes)
+                    self.device_bytes += nbytes - counted
+                    self.sample()
+                continue
+            self._watched[key] = (weakref.ref(storage, partial(self._freed, key)), nbytes)
+            if not preexisting:
+                self.device_bytes += nbytes
                 self.sample()
-            return
-        reference = weakref.ref(storage, self._freed_callback(key))
-        self._live[key] = _Live(reference, nbytes, preexisting)
-        if preexisting:
+                continue
             self.preexisting_bytes += nbytes
             if tensor.is_leaf and tensor.requires_grad:
                 self._leaves.append((tensor, tensor.grad))
             if isinstance(tensor, torch.nn.Parameter):
                 self.parameter_bytes += nbytes
-        else:
-            self.step_bytes += nbytes
-            self.sample()
 
-    def _freed_callback(self, key: int) -> Any:
-        def freed(_reference: Any) -> None:
-            live = self._live.pop(key, None)
-            if live is None or self.closed:
-                return
-            if live.preexisting:
-                self.preexisting_freed += live.nbytes
-            else:
-                self.step_bytes -= live.nbytes
-            self.sample()
-
-        return freed
-
-    # -- samples ---------------------------------------------------------------------------
+    def _freed(self, key: int, _reference: Any) -> None:
+        self.device_bytes -= self._watched.pop(key)[1] or 0
+        self.sample()
 
     def sample(self) -> None:
         """Append the current state to the timeline."""
-        host, host_in_use = self.host()
-        device = self.step_bytes - self.preexisting_freed
-        self.samples.append((self.flops, device, host, host_in_use, self.phase))
+        self.samples.append((self.flops, self.device_bytes, *self.host(), self.phase))
 
-    def add_flops(self, flops: int) -> None:
-        """Count FLOPs of work the tracker cannot see as operators (imitated kernels)."""
-        self.flops += flops
-
-    def mark(self, name: str) -> None:
-        """Name the current moment (``"forward_end"``) and move to the next phase."""
+    def end_phase(self) -> Sample:
+        """Sample the current moment, move to the next phase and return the sample."""
         self.sample()
-        self.marks[name] = len(self.samples) - 1
-        self.flops_at[name] = self.flops
-        self.phase = min(self.phase + 1, len(PHASES) - 1)
+        self.phase += 1
+        return self.samples[-1]
 
     def close(self) -> None:
-        """Stop sampling and give every leaf seen the gradient it had before the step.
+        """Stop sampling, add the workspaces, and give every leaf seen its gradient from before.
 
         Planning runs the same step several times (one per strategy), each from the same
         state; the gradients a step accumulated would otherwise count as existing in the next.
         """
         self.sample()
-        self.closed = True
+        self._watched.clear()  # their weak references go, and with them the callbacks
+        self.preexisting_bytes += len(self.product_phases) * CUBLAS_WORKSPACE_BYTES
         for tensor, grad in self._leaves:
             tensor.grad = grad
-        self._leaves.clear()
 
-    # -- results ---------------------------------------------------------------------------
 
-    def peak_bytes(self) -> int:
-        """Return the most device bytes alive at any moment of the step."""
-        return max(sample[1] for sample in self.samples) + self.preexisting_bytes
+def _attention_outputs(
+    query: Tensor, key: Tensor, value: Tensor, flops: int
+) -> tuple[Tensor, Tensor]:
+    """The output and log-sum-exp of a fused attention kernel, as it allocates them."""
+    batch, heads, seq_q, _ = query.shape
+    # The kernels write (batch, seq, heads, dim) and return it transposed, so the usual
+    # ``out.transpose(1, 2).reshape(b, t, d)`` afterwards is a view, not a copy.
+    out = query.new_empty((batch, seq_q, heads, value.shape[-1])).transpose(1, 2)
+    return out, query.new_empty((batch, heads, seq_q), dtype=torch.float32)
+
+
+# The planner's attention operator: it runs on meta tensors only, where the fake implementation
+# gives its outputs. The schema is spelled out: this module's annotations are strings, which
+# torch 2.4 cannot infer a schema from.
+_attention_op = torch.library.custom_op(
+    "matepoint_plan::scaled_dot_product_attention",
+    mutates_args=(),
+    schema="(Tensor query, Tensor key, Tensor value, int flops) -> (Tensor, Tensor)",
+)(_attention_outputs)
+_attention_op.register_fake(_attention_outputs)
+
+
+@register_flop_formula(torch.ops.matepoint_plan.scaled_dot_product_attention)
+def _attention_op_flops(query: Any, key: Any, value: Any, flops: int, **_: Any) -> int:
+    return flops
+
+
+class _Attention(torch.autograd.Function):
+    """Flash / memory-efficient attention: saves q, k, v, the output and its log-sum-exp.
+
+    Its inputs are the query, key and value, and the mask if there is one (saved as well).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tracker: MemoryTracker, flops: int, *inputs: Tensor) -> Tensor:
+        outputs: tuple[Tensor, Tensor] = _attention_op(*inputs[:3], flops)
+        ctx.save_for_backward(*inputs[:3], *outputs, *inputs[3:])
+        ctx.tracker, ctx.flops = tracker, flops
+        return outputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        query, key, value = ctx.saved_tensors[:3]
+        batch, heads, seq_q, dim = query.shape
+        scratch: list[Tensor] = []
+        if query.dtype in (torch.float16, torch.bfloat16):
+            # FlashAttention-2's backward accumulates dq in float32 and keeps softmax row sums.
+            rows = _round_up(seq_q, 128)
+            scratch.append(
+                query.new_empty((batch, rows, heads, _round_up(dim, 8)), dtype=torch.float32)
+            )
+            scratch.append(query.new_empty((batch, heads, rows), dtype=torch.float32))
+        # The kernels write all three gradients; autograd drops those of inputs without grad.
+        grads = [torch.empty_like(tensor) for tensor in (query, key, value)]
+        del scratch
+        ctx.tracker.flops += 2 * ctx.flops
+        return (None, None, *grads, None)  # the last for the mask: dropped when there is none
+
+
+class _RMSNorm(torch.autograd.Function):
+    """torch's fused CUDA RMS norm: saves its input and the float32 ``rstd`` only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, normalized_dims: int, weight: Tensor | None) -> Tensor:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        stats_shape = (*x.shape[: x.dim() - normalized_dims], *(1,) * normalized_dims)
+        stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        ctx.save_for_backward(x, x.new_empty(stats_shape, dtype=stat_dtype), weight)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+        x, _, weight = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        needs_weight = weight is not None and ctx.needs_input_grad[2]
+        return grad_x, None, torch.empty_like(weight) if needs_weight else None
+
+
+class CudaKernels(TorchFunctionMode):
+    """Route attention and RMS norm on meta tensors to stand-ins that mirror CUDA's kernels.
+
+    See Note [CUDA kernel stand-ins]. Anything they do not cover (other devices, other shapes,
+    a mask that needs gradients) runs the call unchanged.
+
+    Args:
+        tracker: The step's tracker, which the stand-ins give their FLOPs to.
+    """
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        result = None
+        if func is F.scaled_dot_product_attention:
+            result = self._attention(*args, **kwargs)
+        elif func is F.rms_norm and compat.CUDA_FUSED_RMS_NORM:
+            result = self._rms_norm(*args, **kwargs)
+        return func(*args, **kwargs) if result is None else result
+
+    def _attention(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        **_: Any,
+    ) -> Tensor | None:
+        if (
+            any(t.device.type != "meta" or t.dim() != 4 for t in (query, key, value))
+            or not query.is_floating_point()
+            or (attn_mask is not None and attn_mask.requires_grad)
+        ):
+            return None
+        batch, heads, seq_q, dim = query.shape
+        # Forward FLOPs: ``QK^T`` and ``PV``, halved when causal (masked tiles are skipped).
+        flops = 2 * batch * heads * seq_q * key.shape[-2] * (dim + value.shape[-1])
+        flops = flops // 2 if is_causal else flops
+        inputs = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
+        out: Tensor = _Attention.apply(self.tracker, flops, *inputs)  # type: ignore[no-untyped-call]
+        return out
+
+    def _rms_norm(
+        self,
+        x: Tensor,
+        normalized_shape: Sequence[int],
+        weight: Tensor | None = None,
+        eps: Any = None,
+    ) -> Tensor | None:
+        dims = len(normalized_shape)
+        if (
+            x.device.type != "meta"
+            or not x.is_floating_point()
+            or tuple(x.shape[x.dim() - dims :]) != tuple(normalized_shape)
+            or (weight is not None and weight.dtype != x.dtype)
+        ):
+            return None
+        out: Tensor = _RMSNorm.apply(x, dims, weight)  # type: ignore[no-untyped-call]
+        return out
