@@ -258,7 +258,7 @@ class _LegacyModule(types.ModuleType):
     """The class of ``matepoint`` and ``matepoint.matepoint``: assigning ``NOPIPELINE`` warns.
 
     In 0.1.x the code read ``matepoint.matepoint``'s global; 0.2 reads the package's, so an
-    assignment on either module lands there (and ``del`` removes it there).
+    assignment on either module lands there, and ``del`` removes it there.
     """
 
     # Note [NOPIPELINE warns at the assignment]
@@ -267,17 +267,16 @@ class _LegacyModule(types.ModuleType):
     # site, and from checkpoint_sequential or the decorator land on matepoint's own lines. The
     # value is stored as a plain global of the package, and checkpoint reads it at call time.
     def __setattr__(self, name: str, value: object) -> None:
-        if name != "NOPIPELINE":
-            super().__setattr__(name, value)
-            return
-        warn_deprecated(f"`{self.__name__}.NOPIPELINE`", replacement=_NOPIPELINE)
-        vars(sys.modules[_PACKAGE])[name] = value
+        if name == "NOPIPELINE":
+            warn_deprecated(f"`{self.__name__}.NOPIPELINE`", replacement=_NOPIPELINE)
+        types.ModuleType.__setattr__(self._home(name), name, value)
 
     def __delattr__(self, name: str) -> None:
-        if name != "NOPIPELINE":
-            super().__delattr__(name)
-            return
-        vars(sys.modules[_PACKAGE]).pop(name, None)
+        types.ModuleType.__delattr__(self._home(name), name)
+
+    def _home(self, name: str) -> types.ModuleType:
+        """The module that holds ``name``: the package for ``NOPIPELINE``, else this one."""
+        return sys.modules[_PACKAGE] if name == "NOPIPELINE" else self
 
 
 def _install(module: types.ModuleType) -> None:

@@ -332,8 +332,7 @@ def checkpoint_sequential(
         warnings.warn(
             "matepoint.checkpoint_sequential: use_reentrant=None means use_reentrant=True, as "
             "in torch.utils.checkpoint; pass use_reentrant explicitly (False is recommended).",
-            UserWarning,
-            stacklevel=2,
+            stacklevel=2,  # a UserWarning, as torch's
         )
         use_reentrant = True
     function_list: list[Callable[[Any], Any]] = list(
