@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +44,7 @@ def _seconds(device: torch.device, work: Callable[[], object], repeats: int = 5)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return sorted(times)[repeats // 2]
 
 
 def _policy_seconds_per_op(ops: int = 200) -> float:

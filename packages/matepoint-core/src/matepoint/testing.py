@@ -23,10 +23,11 @@ import dataclasses
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, MutableMapping
 from typing import Any, Literal, TypeVar
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from matepoint._registry import set_transport, transport
 from matepoint._transport import Channel, Transport, set_side_stream_delay, side_stream_delay
@@ -93,9 +94,7 @@ class _CPUTestChannel:
         self.side = _FakeStream()
         # Per source of a queued copy (weak keys: no tensor kept alive), the memory that
         # release_original keeps for the copies once the source tensor itself is let go.
-        self.kept_memory: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = (
-            torch.utils.weak.WeakTensorKeyDictionary()  # type: ignore[assignment]
-        )
+        self.kept_memory: MutableMapping[Any, list[torch.Tensor]] = WeakTensorKeyDictionary()
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         limit = self.owner.pinned_limit_bytes
