@@ -71,8 +71,7 @@ def matepoint_checkpoint_fn(
         if "context_fn" in checkpoint_kwargs:
             raise TypeError("a budget_plan brings its own context_fn; pass one or the other")
         configure(**budget_plan.settings_changes())
-        context_fn = budget_plan.context_fn()
-        if context_fn is not None:
+        if (context_fn := budget_plan.context_fn()) is not None:
             checkpoint_kwargs["context_fn"] = context_fn
     return functools.partial(checkpoint, **{"use_reentrant": False, **checkpoint_kwargs})
 
