@@ -56,9 +56,7 @@ def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any)
         The FLOPs (matrix products and attention; elementwise work counts as 0).
     """
     formula = flop_registry.get(func.overloadpacket)
-    if formula is None:
-        return 0
-    return int(formula(*args, **kwargs, out_val=out))
+    return 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
 
 
 def run_backward(loss: torch.Tensor) -> None:
@@ -77,17 +75,6 @@ def run_backward(loss: torch.Tensor) -> None:
     engine.run_backward((loss,), (grad,), False, False, (), True, True)
 
 
-def _meta_device_module() -> types.ModuleType:
-    """A stand-in ``torch.meta`` with no RNG state, as checkpoint and fork_rng ask of a device."""
-    module = types.ModuleType("torch.meta")
-    module._initialized = False  # type: ignore[attr-defined]
-    module.device_count = lambda: 0  # type: ignore[attr-defined]
-    module.get_rng_state = lambda device=None: torch.empty(0, dtype=torch.uint8)  # type: ignore[attr-defined]
-    module.set_rng_state = lambda state, device=None: None  # type: ignore[attr-defined]
-    module.device = lambda index: contextlib.nullcontext()  # type: ignore[attr-defined]
-    return module
-
-
 @contextlib.contextmanager
 def meta_checkpointing() -> Iterator[None]:
     """Let ``torch.utils.checkpoint`` run on meta tensors inside the block.
@@ -104,7 +91,14 @@ def meta_checkpointing() -> Iterator[None]:
     if TORCH_2_6_PLUS or hasattr(torch, "meta"):
         yield
         return
-    torch.meta = _meta_device_module()  # type: ignore[attr-defined]
+    # A stand-in ``torch.meta`` with no RNG state, as checkpoint and fork_rng ask of a device.
+    module = types.ModuleType("torch.meta")
+    module._initialized = False  # type: ignore[attr-defined]
+    module.device_count = lambda: 0  # type: ignore[attr-defined]
+    module.get_rng_state = lambda device=None: torch.empty(0, dtype=torch.uint8)  # type: ignore[attr-defined]
+    module.set_rng_state = lambda state, device=None: None  # type: ignore[attr-defined]
+    module.device = lambda index: contextlib.nullcontext()  # type: ignore[attr-defined]
+    torch.meta = module  # type: ignore[attr-defined]
     try:
         yield
     finally:

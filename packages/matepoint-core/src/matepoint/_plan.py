@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import sys
 import textwrap
 from collections.abc import Callable
 from functools import cache, partial
@@ -32,6 +33,8 @@ DEFAULT_LINK_BANDWIDTH = 55e9
 # FLOP/s: dense bf16 peak of an H100 / H200.
 DEFAULT_PEAK_FLOPS = 989e12
 STRATEGIES = ("none", "torch", "matepoint")
+# A planned matepoint step, and every checkpoint input it saved.
+_Planned = tuple[StrategyPlan, tuple[SavedInput, ...]]
 _GB = 1e9
 _GIB = float(1 << 30)
 
@@ -54,9 +57,7 @@ class MemoryPlan:
     link_bandwidth: float
     peak_flops: float
     saves: tuple[SavedInput, ...]
-    replan: Callable[..., tuple[StrategyPlan, tuple[SavedInput, ...]]] = dataclasses.field(
-        repr=False, compare=False
-    )
+    replan: Callable[..., _Planned] = dataclasses.field(repr=False, compare=False)
 
     def __getitem__(self, strategy: str) -> StrategyPlan:
         return self.strategies[strategy]
@@ -129,9 +130,7 @@ class MemoryPlan:
             "link_bandwidth_bytes_per_s": self.link_bandwidth,
             "peak_flops": self.peak_flops,
             "options": dataclasses.asdict(self.effective_options),
-            "strategies": {
-                name: plan.to_dict(max_points) for name, plan in self.strategies.items()
-            },
+            "strategies": {name: self[name].to_dict(max_points) for name in self.strategies},
             "saves": [dataclasses.asdict(save) for save in self.saves],
         }
 
@@ -246,16 +245,14 @@ def plan(
 
     if isinstance(options, OffloadOptions):
         # As a checkpoint call resolves its offload=: unset fields take the settings in force.
-        resolved = resolve(options)
-        if resolved is None:
+        if (resolved := resolve(options)) is None:
             raise ValueError(
                 "matepoint.plan: options=OffloadOptions(enabled=False) offloads nothing; the "
                 '"torch" strategy is that step'
             )
         fields = dataclasses.fields(OffloadSettings)
         options = OffloadSettings(**{field.name: getattr(resolved, field.name) for field in fields})
-    unknown = set(strategies) - set(STRATEGIES)
-    if unknown:
+    if unknown := set(strategies) - set(STRATEGIES):
         raise ValueError(f"unknown strategies {sorted(unknown)}; known: {', '.join(STRATEGIES)}")
     run = partial(run_step, fn, example_args, example_kwargs, loss_fn, link_bandwidth, peak_flops)
     results = {strategy: run(strategy, options) for strategy in strategies}
@@ -268,7 +265,6 @@ def plan(
 
 _MAX_THRESHOLDS = 6
 _OFFLOADABLE = ("offloaded", "shared", "small")
-_Replan = Callable[[OffloadSettings], tuple[StrategyPlan, tuple[SavedInput, ...]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,12 +323,9 @@ class Recommendation:
                 f"{self.minimum_peak_bytes / _GIB:.2f} GiB, of which "
                 f"{self.fixed_bytes / _GIB:.2f} GiB are parameters and gradients{scale}"
             )
-        traffic = self.plan.link_bytes
-        what = (
-            "no offloading needed (torch's checkpoint fits)"
-            if traffic == 0
-            else f"{traffic / 1e9:.2f} GB over the link per step"
-        )
+        what = f"{self.plan.link_bytes / 1e9:.2f} GB over the link per step"
+        if not self.plan.link_bytes:
+            what = "no offloading needed (torch's checkpoint fits)"
         return (
             f"fits {budget} with stash_bytes={options.stash_bytes}, prefetch={options.prefetch}, "
             f"min_offload_bytes={options.min_offload_bytes}: peak "
@@ -350,20 +343,21 @@ def _threshold_classes(saves: tuple[SavedInput, ...], current: int) -> list[int]
     the size of the smallest input moved.
     """
     sizes = sorted({save.nbytes for save in saves if save.fate in _OFFLOADABLE})
-    classes = []
-    for kept, moved in zip([0, *sizes], [*sizes, None], strict=True):
-        power = 1 << kept.bit_length()
-        if kept < current and (moved is None or current <= moved):
-            classes.append(current)
-        else:
-            classes.append(power if moved is None or power <= moved else moved)
+    # A class's values lie above the kept size and at most the moved one (``sys.maxsize``:
+    # nothing is moved above the largest input).
+    classes = [
+        current if kept < current <= moved else min(1 << kept.bit_length(), moved)
+        for kept, moved in zip([0, *sizes], [*sizes, sys.maxsize], strict=True)
+    ]
     if len(classes) > _MAX_THRESHOLDS:
         step = (len(classes) - 1) / (_MAX_THRESHOLDS - 1)
         classes = sorted({classes[round(i * step)] for i in range(_MAX_THRESHOLDS)})
     return classes
 
 
-def recommend(base: OffloadSettings, replan: _Replan, budget_bytes: int) -> Recommendation:
+def recommend(
+    base: OffloadSettings, replan: Callable[[OffloadSettings], _Planned], budget_bytes: int
+) -> Recommendation:
     """Search offload options for ``budget_bytes``; see :class:`Recommendation`.
 
     Args:
@@ -376,9 +370,7 @@ def recommend(base: OffloadSettings, replan: _Replan, budget_bytes: int) -> Reco
     """
 
     @cache
-    def evaluate(
-        min_offload: int, stash: int, prefetch: int
-    ) -> tuple[StrategyPlan, tuple[SavedInput, ...]]:
+    def evaluate(min_offload: int, stash: int, prefetch: int) -> _Planned:
         return replan(options(min_offload, stash, prefetch))
 
     def options(min_offload: int, stash: int, prefetch: int) -> OffloadSettings:
@@ -415,9 +407,8 @@ def recommend(base: OffloadSettings, replan: _Replan, budget_bytes: int) -> Reco
         # The newest input is always held; the stash counts the ones before it, newest first.
         levels = [0, *accumulate(reversed(offloaded[:-1]))]
         # The largest stash that fits: peaks grow with the stash, and the first level fits.
-        stash = levels[
-            bisect.bisect_right(levels, budget_bytes, lo=1, key=partial(peak, planned)) - 1
-        ]
+        fitting = bisect.bisect_right(levels, budget_bytes, lo=1, key=partial(peak, planned))
+        stash = levels[fitting - 1]
         candidates.append(
             (evaluate(planned, stash, prefetch)[0], options(threshold, stash, prefetch))
         )

@@ -35,7 +35,6 @@ from matepoint._options import OffloadSettings, ResolvedOptions
 from matepoint._plan_trace import PHASES, CudaKernels, MemoryTracker
 from matepoint._registry import planning_scope
 from matepoint._saving import KeepReason, count_kept
-from matepoint._stats import OffloadStats
 from matepoint._transport import Channel
 
 __all__ = ["MetaChannel", "PlannedStep", "SavedInput", "StrategyPlan", "TimelinePoint", "run_step"]
@@ -205,31 +204,30 @@ class PlannedStep:
     """One planned step's :class:`matepoint._registry.Planning`: its engine, options and saves.
 
     Args:
-        tracker: The step's memory tracker (it reads the host pool at every sample).
         strategy: ``"matepoint"`` offloads; ``"torch"`` checkpoints without offloading;
             ``"none"`` runs each checkpointed function directly.
         options: Settings for every offloading call instead of its own, or None.
         context_fn: A ``context_fn`` for every non-reentrant checkpoint call instead of its
             own, or None.
+
+    Attributes:
+        tracker: The step's memory tracker (it reads the host pool at every sample).
     """
 
     def __init__(
-        self,
-        tracker: MemoryTracker,
-        strategy: str,
-        options: OffloadSettings | None,
-        context_fn: Callable[[], Any] | None,
+        self, strategy: str, options: OffloadSettings | None, context_fn: Callable[[], Any] | None
     ) -> None:
         self.strategy = strategy
         self.context_fn = context_fn
-        channel = MetaChannel(tracker)
+        self.tracker = MemoryTracker()
+        self.tracker.host = self._host
+        channel = MetaChannel(self.tracker)
         self.engine = ChannelEngine(channel, channel)
         self.engine.pool.warn_on_fallback = False
         self._override = {} if options is None else dataclasses.asdict(options)
         self.saves: list[SavedInput] = []
         self.raise_policy = False
         self.peak_pageable_bytes = 0
-        tracker.host = self._host
 
     def options_for(self, call: ResolvedOptions | None) -> ResolvedOptions | None:
         if call is None or self.strategy != "matepoint":
@@ -257,8 +255,7 @@ def _adopt_existing(tracker: MemoryTracker, fn: Any, values: Any) -> None:
     """Count what exists before the step: the function's module state and the arguments."""
     module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
     state = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
-    devices = {tensor.device.type for tensor in state} - {"meta"}
-    if devices:
+    if devices := {tensor.device.type for tensor in state} - {"meta"}:
         raise ValueError(
             "matepoint.plan runs the step on the meta device, where tensors hold no memory, "
             f"but the model has parameters or buffers on {', '.join(devices)}; "
@@ -310,9 +307,8 @@ def run_step(
     Returns:
         The step's plan, and every checkpoint input matepoint saw, in order.
     """
-    tracker = MemoryTracker()
-    planned = PlannedStep(tracker, strategy, options, context_fn)
-    engine = planned.engine
+    planned = PlannedStep(strategy, options, context_fn)
+    tracker, engine = planned.tracker, planned.engine
     with planning_scope(planned), compat.meta_checkpointing(), tracker, CudaKernels(tracker):
         _adopt_existing(tracker, fn, (args, kwargs))
         with torch.enable_grad():
@@ -323,9 +319,8 @@ def run_step(
         engine.settle(block=False)  # what died at the end of the step, as stats() settles it
         tracker.end_phase()
         tracker.close()
-    stats = OffloadStats()
+    stats = engine.pool.snapshot()
     stats.add(engine.counters)
-    stats.add(engine.pool.snapshot())
     stats.live_records, stats.device_bytes_held = engine.live_records(), engine.held_bytes()
     counters = {name: int(value) for name, value in dataclasses.asdict(stats).items()}
     baseline = tracker.preexisting_bytes
