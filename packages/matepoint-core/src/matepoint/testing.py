@@ -168,7 +168,7 @@ class _CPUTestChannel:
             # Stands in for record_stream on the side stream: the allocator keeps the memory
             # until queued copies finish. It keeps the memory only (a detached alias), never the
             # tensor: the tensor would keep its autograd graph, and the records in it, alive.
-            # One alias per source, however often a surviving source is released.
+            # One alias per source, however often a source that survives is released.
             self.kept_memory.get(tensor, [])[:] = [tensor.detach()]
 
     def is_complete(self, event: Any) -> bool:
