@@ -149,7 +149,34 @@ def test_a_slow_link_never_offloads() -> None:
     budget = memory_plan.fastest_under(every_block, device=slow)
     assert budget.fits
     assert "offload" not in dict(budget.decisions).values()
-    assert budget.strategy_plan.bytes_to_host == memory_plan["matepoint"].bytes_to_host
+    assert budget.strategy_plan.bytes_to_host <= memory_plan["matepoint"].bytes_to_host
+
+
+def test_the_checkpoint_inputs_stay_on_the_device_when_the_budget_holds_them() -> None:
+    """Sixteen thin blocks whose inputs outweigh their weights: torch's checkpoint holds them."""
+    with torch.device("meta"):
+        blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(16))
+        x = torch.randn(4096, 16, requires_grad=True)
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        for block in blocks:
+            x = matepoint.checkpoint(block, x)
+        return x
+
+    memory_plan = matepoint.plan(model, x, options=matepoint.OffloadSettings(min_offload_bytes=0))
+    torch_peak, offloaded_peak = (
+        memory_plan["torch"].peak_bytes,
+        memory_plan["matepoint"].peak_bytes,
+    )
+    assert offloaded_peak < torch_peak
+    roomy = memory_plan.fastest_under(torch_peak, device=FREE_POLICY)
+    assert roomy.fits
+    assert roomy.strategy_plan.bytes_to_host == 0
+    assert roomy.settings_changes()["min_offload_bytes"] > 4096 * 16 * 4
+    tight = memory_plan.fastest_under(offloaded_peak, device=FREE_POLICY)
+    assert tight.fits
+    assert tight.strategy_plan.bytes_to_host == memory_plan["matepoint"].bytes_to_host > 0
+    assert tight.settings_changes()["min_offload_bytes"] == 0
 
 
 @needs_offload_values
@@ -207,7 +234,7 @@ def test_the_chosen_plan_runs_for_real_with_torchs_gradients_and_the_planned_tra
     x_reference = x.detach().clone().requires_grad_()
     with (
         use_transport(CPUTestTransport(completion="immediate")),
-        matepoint.options(min_offload_bytes=0, **budget.settings_changes()),
+        matepoint.options(**budget.settings_changes()),
     ):
         planned(x).sum().backward()
         stats = matepoint.stats()
