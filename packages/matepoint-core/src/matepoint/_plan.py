@@ -107,20 +107,14 @@ class MemoryPlan:
             does).
         """
         link = self.link_bandwidth
-        device = device or DeviceModel(
-            self.peak_flops, to_host_bandwidth=link, to_device_bandwidth=link
-        )
-
-        def run(context_fn: Callable[[], Any] | None, settings: OffloadSettings) -> StrategyPlan:
-            return self.replan(settings, context_fn=context_fn)[0]
-
+        default = DeviceModel(self.peak_flops, to_host_bandwidth=link, to_device_bandwidth=link)
         return fastest_under(
-            run,
+            lambda context_fn, settings: self.replan(settings, context_fn=context_fn)[0],
             self.effective_options,
             budget_bytes,
             host_budget_bytes=host_budget_bytes,
             ranks_per_node=ranks_per_node,
-            device=device,
+            device=device or default,
         )
 
     def to_dict(self, max_points: int = 2000) -> dict[str, Any]:
