@@ -195,9 +195,10 @@ def test_two_devices_in_one_process_use_their_own_channels() -> None:
 
     with matepoint.options(prefetch=2, max_inflight_bytes=0):
         result = step(mate)
-    names = {engine.name for engine in _registry.all_engines()}
-    print(f"\n[gpu] engines after a two-device step: {sorted(names)}")
-    assert {"('cuda', 0)", "('cuda', 1)"} <= names
+    with _registry._transport_lock:
+        keys = set(_registry._engines)
+    print(f"\n[gpu] engines after a two-device step: {sorted(keys)}")
+    assert {("cuda", 0), ("cuda", 1)} <= keys
     assert matepoint.stats(synchronize=True).offloads >= 5
     assert all(torch.equal(a, b) for a, b in zip(reference, result, strict=True))
 
