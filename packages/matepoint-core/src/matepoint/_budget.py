@@ -315,6 +315,7 @@ def fastest_under(
                         best = (tried, candidate, seconds)
                         decisions[kind.kind] = decision
                         accepted = True
+                    if fits(tried):  # fewer records ahead only helps to fit, never to be faster
                         break
                 if accepted:
                     break

@@ -38,7 +38,7 @@ Note [CUDA kernel stand-ins]
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -66,6 +66,22 @@ Sample = tuple[int, int, int, int, int]
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """Yield the tensors in an operator's arguments or results (tuples, lists, dicts).
+
+    A hand-written walk: the planner calls it twice per op, where a pytree flatten, which
+    builds a spec it does not need, costs a fifth of a planned step.
+    """
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -124,8 +140,8 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         Tensors made before the step (parameters, inputs, gradients) are adopted: see Note
         [Bytes before the step].
         """
-        for tensor in compat.tree_flatten(values)[0]:
-            if not isinstance(tensor, Tensor) or tensor.device.type != "meta":
+        for tensor in _tensors(values):
+            if tensor.device.type != "meta":
                 continue
             if tensor.layout != torch.strided:
                 continue
