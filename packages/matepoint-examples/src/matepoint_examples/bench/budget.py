@@ -74,7 +74,7 @@ class BudgetWorkload:
     """
 
     build: Callable[[], tuple[nn.Module, tuple[Tensor, ...]]]
-    loss: Callable[[nn.Module, tuple[Tensor, ...]], Tensor]
+    loss: Callable[[Callable[..., Any], tuple[Tensor, ...]], Tensor]
     set_checkpoint: Callable[[nn.Module, CheckpointFn], None]
     projections: tuple[frozenset[str], str]
     hf: bool = False
@@ -149,7 +149,7 @@ def _hf_llama(
     def set_checkpoint(model: nn.Module, fn: CheckpointFn) -> None:
         for module in model.modules():
             if hasattr(module, "_gradient_checkpointing_func"):
-                module._gradient_checkpointing_func = fn
+                setattr(module, "_gradient_checkpointing_func", fn)  # noqa: B010
 
     every = frozenset(
         {f"matmul {width}x{width}", f"matmul {width}x{ffn_width}", f"matmul {ffn_width}x{width}"}
@@ -288,11 +288,12 @@ class _Runner:
         start = time.perf_counter()
         try:
             with matepoint.options(**self.settings.get(name, {})):
-                if name in self.compiled:
-                    loss = self.compiled[name]()
-                else:
-                    loss = self.workload.loss(self.model, self.inputs)
-                loss.backward()
+                loss: Tensor = (
+                    self.compiled[name]()
+                    if name in self.compiled
+                    else self.workload.loss(self.model, self.inputs)
+                )
+                loss.backward()  # type: ignore[no-untyped-call,unused-ignore]
             del loss
             self.optimizer.step()
             torch.cuda.synchronize()
