@@ -107,6 +107,31 @@ def _between_every_block_and_keeping_all(memory_plan: matepoint.MemoryPlan) -> m
     return memory_plan.fastest_under((every_block + roomy.peak_bytes) // 2, device=FREE_LINK)
 
 
+def _step_matches_torch(context_fn: Callable[[], Any] | None, **settings: Any) -> Any:
+    """Run a step of the stack with ``context_fn`` on the CPU test transport, its copies done at
+    once, and assert torch's checkpoint gives the same gradients; return matepoint's stats."""
+    torch.manual_seed(0)
+    planned = Stack(context_fn)
+    reference = Stack()
+    reference.load_state_dict(planned.state_dict())
+    x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
+    x_reference = x.detach().clone().requires_grad_()
+    with (
+        use_transport(CPUTestTransport(completion="immediate")),
+        matepoint.options(**settings),
+    ):
+        planned(x).sum().backward()
+        stats = matepoint.stats()
+    expected = x_reference
+    for block in reference.blocks:
+        expected = torch.utils.checkpoint.checkpoint(block, expected, use_reentrant=False)
+    expected.sum().backward()
+    assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
+    for mine, theirs in zip(planned.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
+    return stats
+
+
 def test_op_kinds_name_matrix_products_by_shape_and_attention() -> None:
     a, b = torch.empty(8, 64, device="meta"), torch.empty(64, 192, device="meta")
     assert op_kind(torch.ops.aten.mm.default, (a, b)) == "matmul 64x192"
@@ -226,28 +251,7 @@ def test_the_chosen_plan_runs_for_real_with_torchs_gradients_and_the_planned_tra
     decisions = dict(budget.decisions)
     assert "offload" in decisions.values()
 
-    torch.manual_seed(0)
-    planned = Stack(budget.context_fn())
-    reference = Stack()
-    reference.load_state_dict(planned.state_dict())
-    x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
-    x_reference = x.detach().clone().requires_grad_()
-    with (
-        use_transport(CPUTestTransport(completion="immediate")),
-        matepoint.options(**budget.settings_changes()),
-    ):
-        planned(x).sum().backward()
-        stats = matepoint.stats()
-    with torch.no_grad():
-        out = reference.blocks[0](x_reference)
-    del out
-    expected = x_reference
-    for block in reference.blocks:
-        expected = torch.utils.checkpoint.checkpoint(block, expected, use_reentrant=False)
-    expected.sum().backward()
-    assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
-    for mine, theirs in zip(planned.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
+    stats = _step_matches_torch(budget.context_fn(), **budget.settings_changes())
     counters = budget.strategy_plan.counters
     real = dataclasses.asdict(stats)
     assert {name: real[name] for name in counters} == counters
@@ -273,25 +277,7 @@ def test_a_kind_repeated_in_a_region_is_decided_per_occurrence(fresh_stats: None
     offload, recomputed = policies.MUST_CPU_OFFLOAD, policies.PREFER_RECOMPUTE
     assert values == [offload, offload, recomputed, recomputed]
 
-    torch.manual_seed(0)
-    planned = Stack(first_only.context_fn())
-    reference = Stack()
-    reference.load_state_dict(planned.state_dict())
-    x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
-    x_reference = x.detach().clone().requires_grad_()
-    with (
-        use_transport(CPUTestTransport(completion="immediate")),
-        matepoint.options(min_offload_bytes=0),
-    ):
-        planned(x).sum().backward()
-        stats = matepoint.stats()
-    expected = x_reference
-    for block in reference.blocks:
-        expected = torch.utils.checkpoint.checkpoint(block, expected, use_reentrant=False)
-    expected.sum().backward()
-    assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
-    for mine, theirs in zip(planned.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
+    stats = _step_matches_torch(first_only.context_fn(), min_offload_bytes=0)
     # One up projection's output per block crossed, not the gate's.
     assert stats.bytes_offloaded_by_policy == BLOCKS * TOKENS * HIDDEN * 4
 
