@@ -341,3 +341,14 @@ def test_calibrating_without_a_gpu_says_so() -> None:
         matepoint.calibrate()
     with pytest.raises(ValueError, match="CUDA"):
         matepoint.calibrate("cpu")
+
+
+@pytest.mark.parametrize("content", ["[]", '{"H200 | torch 2.11": {"warp_drive": 1}}', "{"])
+def test_a_calibration_cache_of_another_shape_is_measured_over(tmp_path: Any, content: str) -> None:
+    from matepoint._calibrate import cached_model
+
+    path = tmp_path / "models.json"
+    path.write_text(content)
+    measured = DeviceModel(peak_flops=7e14)
+    assert cached_model(path, "H200 | torch 2.11", lambda: measured) == measured
+    assert json.loads(path.read_text())["H200 | torch 2.11"]["peak_flops"] == 7e14

@@ -135,11 +135,14 @@ def cached_model(
     not trusted.
     """
     try:
-        stored: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        stored: Any = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         stored = {}
-    if not refresh and key in stored:
-        return DeviceModel(**stored[key])
+    if not isinstance(stored, dict):  # valid JSON, but not what this module writes
+        stored = {}
+    if not refresh and isinstance(stored.get(key), dict):
+        with contextlib.suppress(TypeError):  # fields of another release's DeviceModel
+            return DeviceModel(**stored[key])
     model = measure()
     stored[key] = dataclasses.asdict(model)
     path.parent.mkdir(parents=True, exist_ok=True)
