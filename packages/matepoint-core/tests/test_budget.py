@@ -282,6 +282,92 @@ def test_a_kind_repeated_in_a_region_is_decided_per_occurrence(fresh_stats: None
     assert stats.bytes_offloaded_by_policy == BLOCKS * TOKENS * HIDDEN * 4
 
 
+class Thin(nn.Module):
+    """A block whose up-projection's output outweighs its weights (and its input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 64, bias=False)
+        self.down = nn.Linear(64, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class ThinStack(nn.Module):
+    def __init__(self, context_fn: Callable[[], Any] | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Thin() for _ in range(8))
+        self.context_fn = context_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = {} if self.context_fn is None else {"context_fn": self.context_fn}
+        for block in self.blocks:
+            x = matepoint.checkpoint(block, x, **extra)
+        return x
+
+
+def test_a_kind_that_does_not_fit_everywhere_is_kept_in_the_last_regions(
+    fresh_stats: None,
+) -> None:
+    """Between every block's peak and keeping the up-projections everywhere, with no host room
+    to offload them: they are kept in the last blocks only (Note [A plan's regions])."""
+    with torch.device("meta"):
+        stack = ThinStack()
+        x = torch.randn(4096, 16, requires_grad=True)
+    memory_plan = matepoint.plan(stack, x, options=matepoint.OffloadSettings(min_offload_bytes=0))
+    slow_compute = DeviceModel(
+        peak_flops=1e9, to_host_bandwidth=1e18, to_device_bandwidth=1e18, policy_seconds_per_op=0
+    )
+    host = memory_plan["matepoint"].pinned_bytes  # room for the block inputs only
+    everywhere = memory_plan.fastest_under(
+        memory_plan["none"].peak_bytes * 2, device=slow_compute, host_budget_bytes=host
+    )
+    assert dict(everywhere.decisions) == {"matmul 16x64": "keep"}
+    assert everywhere.kept_in_last == ()
+    budget_bytes = (memory_plan["matepoint"].peak_bytes + everywhere.peak_bytes) // 2
+    budget = memory_plan.fastest_under(budget_bytes, device=slow_compute, host_budget_bytes=host)
+    assert budget.fits
+    assert budget.peak_bytes <= budget_bytes
+    assert budget.regions == 8
+    ((name, last),) = budget.kept_in_last
+    assert name == "matmul 16x64"
+    assert 0 < last < 8
+    assert "matmul 16x64" not in dict(budget.decisions)
+    assert budget.step_seconds < budget.every_block_seconds
+    assert f"keep in the last {last} of 8 regions" in str(budget)
+
+    mm = torch.ops.aten.mm.default
+    args = (torch.empty(8, 16, device="meta"), torch.empty(16, 64, device="meta"))
+    forward = SimpleNamespace(is_recompute=False)
+    saved = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+    kept = [budget.policy(region)(forward, mm, *args) == saved for region in range(8)]
+    assert kept == [False] * (8 - last) + [True] * last
+
+    # For real, two steps: the context_fn numbers the regions of each step from 0 again.
+    context_fn = budget.context_fn()
+    torch.manual_seed(0)
+    planned = ThinStack(context_fn)
+    reference = ThinStack()
+    reference.load_state_dict(planned.state_dict())
+    for _ in range(2):
+        x = torch.randn(4096, 16, requires_grad=True)
+        x_reference = x.detach().clone().requires_grad_()
+        with (
+            use_transport(CPUTestTransport(completion="immediate")),
+            matepoint.options(**budget.settings_changes()),
+        ):
+            planned(x).sum().backward()
+        expected = x_reference
+        for block in reference.blocks:
+            expected = torch.utils.checkpoint.checkpoint(block, expected, use_reentrant=False)
+        expected.sum().backward()
+        assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
+    for mine, theirs in zip(planned.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
+    assert getattr(context_fn, "calls", None) == 16
+
+
 def test_the_integrations_apply_a_budget_plan_in_one_call() -> None:
     import matepoint.integrations as mi
 

@@ -12,20 +12,25 @@ figures; only the times are estimates.
 
 Note [The budget search]
     Kinds are ranked by recompute FLOPs per byte their outputs hold (attention near twice the
-    sequence length, a matrix product near its inner width) and taken best first. Any policy
-    at all costs host time on every op of the regions (``DeviceModel.policy_seconds_per_op``),
-    the same whatever it keeps: the search compares choices without it, then keeps the policy
-    only if what it saves pays for it (on a small, launch-bound model it may not). Each is kept
-    on the device if the step still fits, else offloaded if it fits that way and the step gets
-    faster (the link's time beyond the compute it overlaps counts against it), else recomputed.
-    When an offload does not fit with the look-ahead in force, fewer records fetched ahead
-    (``prefetch`` 1) are tried. Last, where nothing is offloaded by the policy, the same choice
-    with the checkpoint inputs held on the device (``min_offload_bytes`` above them all, so
-    torch's checkpoint where nothing is kept) is taken if it fits: the link's copies cost the
-    host time to issue and compete with compute on a small or launch-bound model, which the
-    time model does not see, and the budget has no use for the memory they free. A step is
-    planned per try: one profile, then at most a few per kind. Before torch 2.11, whose
-    selective checkpointing has no offload values, a plan keeps or recomputes only.
+    sequence length, a matrix product near its inner width) and taken best first. Any policy at
+    all costs host time on every op of the regions (``DeviceModel.policy_seconds_per_op``), the
+    same whatever it keeps: the search compares choices without it, then keeps the policy only
+    if what it saves pays for it (on a small, launch-bound model it may not). Each is kept on
+    the device if the step still fits and gets faster; where keeping does not fit, it is
+    offloaded if that fits and the step gets faster (the link's time beyond the compute it
+    overlaps counts against it); else recomputed (an offload saves no more recompute than
+    keeping, so a keep that fits without helping rules it out). When an offload does not fit
+    with the look-ahead in force, fewer records fetched ahead (``prefetch`` 1) are tried. A kind
+    that did not fit kept in every region is then tried kept in the last regions only (Note [A
+    plan's regions]), as many as the room left suggests (its bytes per region against the budget
+    less the peak), then half as many, best kind first and two steps planned at most. Last,
+    where nothing is offloaded by the policy, the same choice with the checkpoint inputs held on
+    the device (``min_offload_bytes`` above them all, so torch's checkpoint where nothing is
+    kept) is taken if it fits: the link's copies cost the host time to issue and compete with
+    compute on a small or launch-bound model, which the time model does not see, and the budget
+    has no use for the memory they free. A step is planned per try: one profile, then at most a
+    few per kind. Before torch 2.11, whose selective checkpointing has no offload values, a plan
+    keeps or recomputes only.
 """
 
 from __future__ import annotations
@@ -124,8 +129,7 @@ if OFFLOAD_AVAILABLE:
     _POLICY_VALUES["offload"] = torch_checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
 
 
-def _policy(decisions: tuple[tuple[str, Decision], ...]) -> Callable[..., Any]:
-    chosen = dict(decisions)
+def _policy(chosen: dict[str, Decision]) -> Callable[..., Any]:
     # Ops of each kind seen so far in this region, in forward and in the recomputation apart
     # (Note [Op kinds]): one policy serves one checkpoint call.
     seen: collections.Counter[tuple[bool, str]] = collections.Counter()
@@ -140,16 +144,45 @@ def _policy(decisions: tuple[tuple[str, Decision], ...]) -> Callable[..., Any]:
     return policy
 
 
-def _context_fn(decisions: tuple[tuple[str, Decision], ...]) -> Callable[[], Any] | None:
-    if all(decision == "recompute" for _, decision in decisions):
-        return None
+class _PlanContexts:
+    """A plan's ``context_fn``: torch's selective-checkpoint contexts around a fresh policy.
 
-    def context_fn() -> Any:
+    Note [A plan's regions]
+        A plan's regions are the checkpoint calls of one step, in their order: the ``n``-th call
+        a ``context_fn`` serves is region ``n`` modulo the number of regions the plan saw, so a
+        step, each micro-batch of gradient accumulation and an evaluation forward of the same
+        model all start again at region 0. A class kept in the last ``k`` regions only
+        (``BudgetPlan.kept_in_last``) is kept there and decided as every region decides it
+        elsewhere: the last regions' outputs are the first backward frees, so they cost the
+        least memory at a peak late in backward. A model that checkpoints a different number of
+        regions from step to step needs a plan without ``kept_in_last``.
+    """
+
+    def __init__(
+        self, decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int
+    ) -> None:
+        self.decisions, self.kept_in_last, self.regions = decisions, kept_in_last, regions
+        self.calls = 0
+
+    def choices(self, region: int) -> dict[str, Decision]:
+        """What region ``region`` does with each class."""
+        last = {name: "keep" for name, k in self.kept_in_last.items() if region >= self.regions - k}
+        return {**self.decisions, **last}  # type: ignore[dict-item]
+
+    def __call__(self) -> Any:
+        region = self.calls % self.regions
+        self.calls += 1
         return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-            _policy(decisions)
+            _policy(self.choices(region))
         )
 
-    return context_fn
+
+def _context_fn(
+    decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int
+) -> _PlanContexts | None:
+    if not kept_in_last and all(decision == "recompute" for decision in decisions.values()):
+        return None
+    return _PlanContexts(decisions, kept_in_last, regions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +200,9 @@ class BudgetPlan:
         fits: Whether the chosen step fits both budgets.
         decisions: Per class of op (a kind, or one occurrence of a kind repeated in a
             region: Note [Op kinds]), ``"keep"``, ``"offload"`` or ``"recompute"``.
+        kept_in_last: Classes kept in the last regions only, with how many (Note [A plan's
+            regions]); elsewhere they do what ``decisions`` says.
+        regions: The checkpoint calls of the planned step.
         prefetch: The look-ahead chosen (``OffloadSettings.prefetch``).
         min_offload_bytes: The smallest checkpoint input offloaded
             (``OffloadSettings.min_offload_bytes``): above every input when the budget holds
@@ -187,6 +223,8 @@ class BudgetPlan:
     ranks_per_node: int
     fits: bool
     decisions: tuple[tuple[str, Decision], ...]
+    kept_in_last: tuple[tuple[str, int], ...]
+    regions: int
     prefetch: int
     min_offload_bytes: int
     peak_bytes: int
@@ -197,20 +235,27 @@ class BudgetPlan:
     kinds: tuple[KindProfile, ...]
     strategy_plan: StrategyPlan = dataclasses.field(repr=False, compare=False)
 
-    def policy(self) -> Callable[..., Any]:
+    def policy(self, region: int = 0) -> Callable[..., Any]:
         """A selective-checkpoint policy for one checkpoint call: ``policy(ctx, op, *args)``.
 
-        It tells a region's repeated kinds apart by counting them (Note [Op kinds]), so each
-        checkpoint call needs a fresh one: :meth:`context_fn` makes one per call.
+        It is region ``region``'s (Note [A plan's regions]), and it tells a region's repeated
+        kinds apart by counting them (Note [Op kinds]), so each checkpoint call needs a fresh
+        one: :meth:`context_fn` makes one per call, for the call's region.
         """
-        return _policy(self.decisions)
+        return _policy(self._contexts().choices(region))
 
     def context_fn(self) -> Callable[[], Any] | None:
         """The ``context_fn`` for every checkpoint call (None when everything is recomputed).
 
-        Each call makes torch's selective-checkpoint contexts around a fresh :meth:`policy`.
+        Each call makes torch's selective-checkpoint contexts around a fresh :meth:`policy` of
+        the next region. Use one per model: it counts the calls it serves.
         """
-        return _context_fn(self.decisions)
+        if not self.kept_in_last and all(d == "recompute" for _, d in self.decisions):
+            return None
+        return self._contexts()
+
+    def _contexts(self) -> _PlanContexts:
+        return _PlanContexts(dict(self.decisions), dict(self.kept_in_last), self.regions)
 
     def settings_changes(self) -> dict[str, Any]:
         """The settings to pass to :func:`matepoint.configure` with it."""
@@ -232,14 +277,23 @@ class BudgetPlan:
             lines.append(
                 f"  the smallest budget that fits: {self.smallest_budget_bytes / _GIB:.2f} GiB"
             )
-        decided = dict(self.decisions)
+        decided, kept_last = dict(self.decisions), dict(self.kept_in_last)
         for kind in self.kinds:
+            where = (
+                f" (keep in the last {kept_last[kind.kind]} of {self.regions} regions)"
+                if kind.kind in kept_last
+                else ""
+            )
             lines.append(
                 f"  {kind.kind:<24} {decided.get(kind.kind, 'recompute'):<10} "
                 f"{kind.output_bytes / _GIB:8.2f} GiB in {kind.calls} calls, "
-                f"{kind.flops_per_byte:8.0f} FLOP/byte"
+                f"{kind.flops_per_byte:8.0f} FLOP/byte{where}"
             )
         return "\n".join(lines)
+
+
+# Steps planned to keep kinds in the last regions only, at most (Note [The budget search]).
+_REGION_TRIES = 2
 
 
 def fastest_under(
@@ -295,6 +349,9 @@ def fastest_under(
         if fits(tried):
             best = (tried, fewer, step_seconds(tried, device, 0))
     plain = best
+    regions = max(profiler.regions, 1)
+    kept_in_last: dict[str, int] = {}
+    overflowed: list[KindProfile] = []  # kept everywhere, they did not fit
     if fits(best[0]):
         for kind in kinds:
             attempts: tuple[tuple[Decision, tuple[OffloadSettings, ...]], ...] = (
@@ -307,7 +364,7 @@ def fastest_under(
                 )
                 accepted = False
                 for candidate in candidates:
-                    tried = run(_context_fn(trial), candidate)
+                    tried = run(_context_fn(dict(trial), {}, regions), candidate)
                     smallest = min(smallest, tried.peak_bytes)
                     # The policy's host cost is the same for any choice: see the end.
                     seconds = step_seconds(tried, device, candidate.prefetch)
@@ -317,19 +374,39 @@ def fastest_under(
                         accepted = True
                     if fits(tried):  # fewer records ahead only helps to fit, never to be faster
                         break
-                if accepted:
+                    if decision == "keep":
+                        overflowed.append(kind)
+                # An offload saves what keeping saves, and costs link time besides.
+                if accepted or (decision == "keep" and kind not in overflowed):
                     break
-    if decisions:
+    # Note [The budget search]: what did not fit everywhere, kept in the last regions.
+    tries = _REGION_TRIES
+    for kind in overflowed if regions > 1 else ():
+        room = budget_bytes - best[0].peak_bytes
+        last = min(regions - 1, room * kind.calls // max(kind.output_bytes, 1))
+        for count in dict.fromkeys((last, last // 2)):
+            if count < 1 or tries == 0:
+                break
+            tries -= 1
+            trial_last = {**kept_in_last, kind.kind: count}
+            tried = run(_context_fn(decisions, trial_last, regions), best[1])
+            smallest = min(smallest, tried.peak_bytes)
+            seconds = step_seconds(tried, device, best[1].prefetch)
+            if fits(tried) and seconds < best[2]:
+                best, kept_in_last = (tried, best[1], seconds), trial_last
+                break
+    if decisions or kept_in_last:
         with_policy = step_seconds(best[0], device, best[1].prefetch, policy_ops)
         if with_policy < plain[2]:
             best = (best[0], best[1], with_policy)
         else:  # the recompute it saves does not pay for the policy's host time
-            best, decisions = plain, {}
+            best, decisions, kept_in_last = plain, {}, {}
     if "offload" not in decisions.values():
         # Note [The budget search]: no link at all where the budget holds the inputs too.
         on_device = dataclasses.replace(best[1], min_offload_bytes=baseline.bytes_to_host + 1)
-        tried = run(_context_fn(tuple(decisions.items())), on_device)
-        seconds = step_seconds(tried, device, on_device.prefetch, policy_ops if decisions else 0)
+        policy = _context_fn(decisions, kept_in_last, regions)
+        tried = run(policy, on_device)
+        seconds = step_seconds(tried, device, on_device.prefetch, policy_ops if policy else 0)
         if fits(tried) and seconds <= best[2]:
             best = (tried, on_device, seconds)
     chosen, chosen_settings, seconds = best
@@ -339,6 +416,8 @@ def fastest_under(
         ranks_per_node=ranks_per_node,
         fits=fits(chosen),
         decisions=tuple(sorted(decisions.items())),
+        kept_in_last=tuple(sorted(kept_in_last.items())),
+        regions=regions,
         prefetch=chosen_settings.prefetch,
         min_offload_bytes=chosen_settings.min_offload_bytes,
         peak_bytes=chosen.peak_bytes,
