@@ -72,9 +72,14 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, context_fn: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        context_fn: Callable[[], Any] | None = None,
+        block: Callable[[], nn.Module] = Block,
+        count: int = BLOCKS,
+    ) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(block() for _ in range(count))
         self.context_fn = context_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,26 +112,31 @@ def _between_every_block_and_keeping_all(memory_plan: matepoint.MemoryPlan) -> m
     return memory_plan.fastest_under((every_block + roomy.peak_bytes) // 2, device=FREE_LINK)
 
 
-def _step_matches_torch(context_fn: Callable[[], Any] | None, **settings: Any) -> Any:
-    """Run a step of the stack with ``context_fn`` on the CPU test transport, its copies done at
-    once, and assert torch's checkpoint gives the same gradients; return matepoint's stats."""
-    torch.manual_seed(0)
-    planned = Stack(context_fn)
-    reference = Stack()
+def _steps_match_torch(
+    planned: nn.Module,
+    reference: nn.Module,
+    shape: tuple[int, ...],
+    steps: int = 1,
+    **settings: Any,
+) -> Any:
+    """Run steps of ``planned`` (its blocks through ``matepoint.checkpoint``) on the CPU test
+    transport, its copies done at once, and of ``reference``'s blocks through torch's checkpoint,
+    from the same weights and inputs; assert the gradients are equal; return matepoint's stats."""
     reference.load_state_dict(planned.state_dict())
-    x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
-    x_reference = x.detach().clone().requires_grad_()
-    with (
-        use_transport(CPUTestTransport(completion="immediate")),
-        matepoint.options(**settings),
-    ):
-        planned(x).sum().backward()
-        stats = matepoint.stats()
-    expected = x_reference
-    for block in reference.blocks:
-        expected = torch.utils.checkpoint.checkpoint(block, expected, use_reentrant=False)
-    expected.sum().backward()
-    assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
+    for _ in range(steps):
+        x = torch.randn(*shape, requires_grad=True)
+        x_reference = x.detach().clone().requires_grad_()
+        with (
+            use_transport(CPUTestTransport(completion="immediate")),
+            matepoint.options(**settings),
+        ):
+            planned(x).sum().backward()
+            stats = matepoint.stats()
+        expected = x_reference
+        for block in reference.blocks:  # type: ignore[union-attr]
+            expected = torch.utils.checkpoint.checkpoint(block, expected, use_reentrant=False)
+        expected.sum().backward()
+        assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
     for mine, theirs in zip(planned.parameters(), reference.parameters(), strict=True):
         assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
     return stats
@@ -251,7 +261,10 @@ def test_the_chosen_plan_runs_for_real_with_torchs_gradients_and_the_planned_tra
     decisions = dict(budget.decisions)
     assert "offload" in decisions.values()
 
-    stats = _step_matches_torch(budget.context_fn(), **budget.settings_changes())
+    torch.manual_seed(0)
+    stats = _steps_match_torch(
+        Stack(budget.context_fn()), Stack(), (1, TOKENS, WIDTH), **budget.settings_changes()
+    )
     counters = budget.strategy_plan.counters
     real = dataclasses.asdict(stats)
     assert {name: real[name] for name in counters} == counters
@@ -277,7 +290,10 @@ def test_a_kind_repeated_in_a_region_is_decided_per_occurrence(fresh_stats: None
     offload, recomputed = policies.MUST_CPU_OFFLOAD, policies.PREFER_RECOMPUTE
     assert values == [offload, offload, recomputed, recomputed]
 
-    stats = _step_matches_torch(first_only.context_fn(), min_offload_bytes=0)
+    torch.manual_seed(0)
+    stats = _steps_match_torch(
+        Stack(first_only.context_fn()), Stack(), (1, TOKENS, WIDTH), min_offload_bytes=0
+    )
     # One up projection's output per block crossed, not the gate's.
     assert stats.bytes_offloaded_by_policy == BLOCKS * TOKENS * HIDDEN * 4
 
@@ -294,26 +310,13 @@ class Thin(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-class ThinStack(nn.Module):
-    def __init__(self, context_fn: Callable[[], Any] | None = None) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Thin() for _ in range(8))
-        self.context_fn = context_fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        extra = {} if self.context_fn is None else {"context_fn": self.context_fn}
-        for block in self.blocks:
-            x = matepoint.checkpoint(block, x, **extra)
-        return x
-
-
 def test_a_kind_that_does_not_fit_everywhere_is_kept_in_the_last_regions(
     fresh_stats: None,
 ) -> None:
     """Between every block's peak and keeping the up-projections everywhere, with no host room
     to offload them: they are kept in the last blocks only (Note [A plan's regions])."""
     with torch.device("meta"):
-        stack = ThinStack()
+        stack = Stack(block=Thin, count=8)
         x = torch.randn(4096, 16, requires_grad=True)
     memory_plan = matepoint.plan(stack, x, options=matepoint.OffloadSettings(min_offload_bytes=0))
     slow_compute = DeviceModel(
@@ -347,24 +350,13 @@ def test_a_kind_that_does_not_fit_everywhere_is_kept_in_the_last_regions(
     # For real, two steps: the context_fn numbers the regions of each step from 0 again.
     context_fn = budget.context_fn()
     torch.manual_seed(0)
-    planned = ThinStack(context_fn)
-    reference = ThinStack()
-    reference.load_state_dict(planned.state_dict())
-    for _ in range(2):
-        x = torch.randn(4096, 16, requires_grad=True)
-        x_reference = x.detach().clone().requires_grad_()
-        with (
-            use_transport(CPUTestTransport(completion="immediate")),
-            matepoint.options(**budget.settings_changes()),
-        ):
-            planned(x).sum().backward()
-        expected = x_reference
-        for block in reference.blocks:
-            expected = torch.utils.checkpoint.checkpoint(block, expected, use_reentrant=False)
-        expected.sum().backward()
-        assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
-    for mine, theirs in zip(planned.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
+    _steps_match_torch(
+        Stack(context_fn, Thin, 8),
+        Stack(None, Thin, 8),
+        (4096, 16),
+        steps=2,
+        **budget.settings_changes(),
+    )
     assert getattr(context_fn, "calls", None) == 16
 
 
