@@ -147,6 +147,9 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
                 continue
             storage = tensor.untyped_storage()
             key = id(storage)
+            # An op's inputs: one seen before can only have been resized as an output.
+            if preexisting and key in self._watched:
+                continue
             nbytes = _round_up(storage.nbytes(), ALLOCATION_GRANULARITY)
             if key in self._watched:
                 reference, counted = self._watched[key]
