@@ -4,7 +4,8 @@ A checkpointed step recomputes every activation of its regions in backward, whic
 fifth of a transformer's step; keeping what is expensive to recompute buys that time back with
 device memory, and offloading it buys it back with link time that forward's compute can hide.
 :func:`fastest_under` chooses, per kind of op inside the checkpointed regions (Note [Op kinds]
-in ``matepoint._budget_profile``), one of the three, and the look-ahead, so that the planned
+in ``matepoint._budget_profile``), one of the three, in every region or keeping in the last
+regions only (Note [A plan's regions]), and the look-ahead, so that the planned
 step is as fast as the time model says it can be while its planned peak stays within the
 budget. Every candidate is planned by running the step itself on the meta device through the
 real engine (``matepoint.plan``), so its peak, host RAM and link bytes are the planner's exact
