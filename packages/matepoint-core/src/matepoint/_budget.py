@@ -167,8 +167,8 @@ class _PlanContexts:
 
     def choices(self, region: int) -> dict[str, Decision]:
         """What region ``region`` does with each class."""
-        last = {name: "keep" for name, k in self.kept_in_last.items() if region >= self.regions - k}
-        return {**self.decisions, **last}  # type: ignore[dict-item]
+        kept = [name for name, last in self.kept_in_last.items() if region >= self.regions - last]
+        return {**self.decisions, **dict.fromkeys(kept, "keep")}
 
     def __call__(self) -> Any:
         region = self.calls % self.regions
