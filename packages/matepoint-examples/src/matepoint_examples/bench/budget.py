@@ -419,13 +419,21 @@ def run(
 
 
 def plot_frontier(reports: Sequence[dict[str, Any]], path: Path) -> None:
-    """Step ratio against measured peak, one panel per report: the frontier of each workload."""
+    """Step ratio against measured peak, one panel per report: the frontier of each workload.
+
+    Each strategy keeps its colour and marker in every panel (stars: budget plans, squares:
+    torch compiled), with the interquartile range as a vertical bar and one legend for all;
+    dotted lines are the budgets, a red line the device-memory cap.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4.5), squeeze=False)
+    names = list(dict.fromkeys(name for report in reports for name in report["rows"]))
+    colours = {name: plt.get_cmap("tab10")(index % 10) for index, name in enumerate(names)}
+    figure, axes = plt.subplots(1, len(reports), figsize=(5.5 * len(reports), 4.5), squeeze=False)
+    handles: dict[str, Any] = {}
     for axis, report in zip(axes[0], reports, strict=True):
         for name, row in report["rows"].items():
             peak = row.get("peak_bytes")
@@ -433,13 +441,10 @@ def plot_frontier(reports: Sequence[dict[str, Any]], path: Path) -> None:
                 continue
             planned = name.startswith("budget@")
             marker = "*" if planned else ("s" if name.startswith("compiled") else "o")
-            axis.scatter(peak / _GIB, row["ratio"], marker=marker, s=120 if planned else 50)
-            axis.annotate(
-                name,
-                (peak / _GIB, row["ratio"]),
-                fontsize=8,
-                xytext=(4, 4),
-                textcoords="offset points",
+            x, y = peak / _GIB, row["ratio"]
+            axis.vlines(x, row["ratio_q1"], row["ratio_q3"], color=colours[name], linewidth=1)
+            handles[name] = axis.scatter(
+                x, y, marker=marker, s=140 if planned else 45, color=colours[name], zorder=3
             )
         for plan in report["plans"].values():
             axis.axvline(plan["budget_bytes"] / _GIB, color="grey", linestyle=":", linewidth=0.8)
@@ -450,7 +455,10 @@ def plot_frontier(reports: Sequence[dict[str, Any]], path: Path) -> None:
         axis.set_xlabel("measured peak device memory (GiB)")
         axis.set_ylabel("step time / torch checkpoint on every block")
         axis.grid(alpha=0.3)
-    figure.tight_layout()
+    figure.legend(
+        list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 5)
+    )
+    figure.tight_layout(rect=(0, 0.12, 1, 1))
     figure.savefig(path, dpi=120)
 
 
