@@ -88,3 +88,12 @@ def test_the_frontier_is_drawn_from_saved_reports(tmp_path: Path) -> None:
     assert budget.main(["--plot", str(out), str(report)]) == 0
     assert out.stat().st_size > 0
     assert "budget@torch" in json.loads(data.read_text())["rows"]
+
+
+def test_matepoint_bench_runs_the_budget_benchmark(tmp_path: Path) -> None:
+    from matepoint_examples.bench import cli
+
+    data = Path(__file__).resolve().parents[4] / "docs" / "_data" / "budget-h200-llama8.json"
+    out = tmp_path / "frontier.png"
+    assert cli.main(["budget", "--plot", str(out), str(data)]) == 0
+    assert out.stat().st_size > 0

@@ -1,17 +1,18 @@
 """Budget plans on a GPU: measured peak and step against the plan, and against the peers.
 
-Run ``python -m matepoint_examples.bench.budget --workload llama8``. One process builds one
-model (a Llama-style stack, nanochat12, or a Hugging Face Llama) and one AdamW optimizer,
-measures torch's checkpoint and no checkpoint once, plans a budget step on the meta device for
-each budget (``--budgets``: torch checkpoint's measured peak, halfway to no checkpoint's, or a
-fixed size such as ``24GiB``; ``--device-memory 24GiB`` caps the process there with
+Run ``matepoint-bench budget --workload llama8`` (or ``python -m
+matepoint_examples.bench.budget``). One process builds one model (a Llama-style stack,
+nanochat12, or a Hugging Face Llama) and one AdamW optimizer, measures torch's checkpoint and no
+checkpoint once, plans a budget step on the meta device for each budget (``--budgets``: torch
+checkpoint's measured peak, halfway to no checkpoint's, or a fixed size such as ``24GiB``;
+``--device-memory 24GiB`` caps the process there with
 ``torch.cuda.set_per_process_memory_fraction``), then runs every strategy alternately, step by
 step (see ``matepoint_examples.bench._paired`` for why), and reports per strategy the median
 per-round step ratio to torch's checkpoint [interquartile range], the measured peak, and for the
-budget plans the predicted peak. A strategy that runs out of memory is reported without a
-ratio. ``--compiled`` adds torch's compiled ``activation_memory_budget`` at each budget, for
-reference. ``--plot frontier.png report.json ...`` draws step ratio against peak memory from
-saved reports, without a GPU.
+budget plans the predicted peak. A strategy that runs out of memory is reported without a ratio.
+``--compiled`` adds torch's compiled ``activation_memory_budget`` at each budget, for reference.
+``--plot frontier.png report.json ...`` draws step ratio against peak memory from saved reports,
+without a GPU.
 
 Note [Calibrating the planned peak]
     The planner plans forward and backward of the stack. A training step also holds the
@@ -484,6 +485,7 @@ def _print(report: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the budget benchmark, or plot saved reports; see the module docstring."""
     parser = argparse.ArgumentParser(
+        prog="matepoint-bench budget",
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

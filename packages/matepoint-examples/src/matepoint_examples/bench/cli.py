@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="matepoint-bench",
         description="Benchmark matepoint against torch checkpoint and offloading peers.",
+        epilog="matepoint-bench budget ...: the memory-budget benchmark (budget plans against "
+        "the peers at the same budget; matepoint-bench budget --help)",
     )
     p.add_argument(
         "--workloads",
@@ -299,7 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ``0`` when every run finished (skipped and out-of-memory rows count as finished),
         ``1`` if a run errored or timed out (partial rows too), ``2`` for bad arguments.
     """
-    args = _parser().parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["budget"]:
+        from matepoint_examples.bench import budget
+
+        return budget.main(arguments[1:])
+    args = _parser().parse_args(arguments)
     if args.rounds is None:
         args.rounds = 3 if args.quick else 15
     if args.steps is None:
