@@ -80,6 +80,11 @@ class KindProfile:
         return self.flops / max(self.output_bytes, 1)
 
 
+def _occurrence_class(kind: str, occurrence: int) -> str:
+    """The class of the ``occurrence``-th op of ``kind`` in a region (Note [Op kinds])."""
+    return f"{kind} #{occurrence}"
+
+
 def _kinds(calls: list[OpCall]) -> list[KindProfile]:
     # Note [Op kinds]: a kind seen twice in one region is decided per occurrence.
     repeated = {call.kind for call in calls if call.occurrence > 1}
@@ -87,7 +92,8 @@ def _kinds(calls: list[OpCall]) -> list[KindProfile]:
     for call in calls:
         if call.kind == "other" or not call.output_bytes:
             continue
-        name = f"{call.kind} #{call.occurrence}" if call.kind in repeated else call.kind
+        repeats = call.kind in repeated
+        name = _occurrence_class(call.kind, call.occurrence) if repeats else call.kind
         entry = totals.setdefault(name, [0, 0, 0])
         entry[0] += 1
         entry[1] += call.output_bytes
@@ -138,9 +144,10 @@ def _policy(chosen: dict[str, Decision]) -> Callable[..., Any]:
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         del kwargs
         kind = op_kind(func, args)
-        seen[bool(ctx.is_recompute), kind] += 1
-        occurrence = seen[bool(ctx.is_recompute), kind]
-        return _POLICY_VALUES[chosen.get(f"{kind} #{occurrence}", chosen.get(kind, "recompute"))]
+        key = (bool(ctx.is_recompute), kind)
+        seen[key] += 1
+        decision = chosen.get(_occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))
+        return _POLICY_VALUES[decision]
 
     return policy
 
@@ -243,7 +250,8 @@ class BudgetPlan:
         kinds apart by counting them (Note [Op kinds]), so each checkpoint call needs a fresh
         one: :meth:`context_fn` makes one per call, for the call's region.
         """
-        return _policy(self._contexts().choices(region))
+        contexts = _PlanContexts(dict(self.decisions), dict(self.kept_in_last), self.regions)
+        return _policy(contexts.choices(region))
 
     def context_fn(self) -> Callable[[], Any] | None:
         """The ``context_fn`` for every checkpoint call (None when everything is recomputed).
@@ -251,12 +259,7 @@ class BudgetPlan:
         Each call makes torch's selective-checkpoint contexts around a fresh :meth:`policy` of
         the next region. Use one per model: it counts the calls it serves.
         """
-        if not self.kept_in_last and all(d == "recompute" for _, d in self.decisions):
-            return None
-        return self._contexts()
-
-    def _contexts(self) -> _PlanContexts:
-        return _PlanContexts(dict(self.decisions), dict(self.kept_in_last), self.regions)
+        return _context_fn(dict(self.decisions), dict(self.kept_in_last), self.regions)
 
     def settings_changes(self) -> dict[str, Any]:
         """The settings to pass to :func:`matepoint.configure` with it."""
@@ -360,12 +363,10 @@ def fastest_under(
                 ("offload", _lookaheads(best[1]) if OFFLOAD_AVAILABLE else ()),
             )
             for decision, candidates in attempts:
-                trial: tuple[tuple[str, Decision], ...] = tuple(
-                    sorted({**decisions, kind.kind: decision}.items())
-                )
+                trial: dict[str, Decision] = {**decisions, kind.kind: decision}
                 accepted = False
                 for candidate in candidates:
-                    tried = run(_context_fn(dict(trial), {}, regions), candidate)
+                    tried = run(_context_fn(trial, {}, regions), candidate)
                     smallest = min(smallest, tried.peak_bytes)
                     # The policy's host cost is the same for any choice: see the end.
                     seconds = step_seconds(tried, device, candidate.prefetch)
@@ -375,11 +376,12 @@ def fastest_under(
                         accepted = True
                     if fits(tried):  # fewer records ahead only helps to fit, never to be faster
                         break
-                    if decision == "keep":
-                        overflowed.append(kind)
-                # An offload saves what keeping saves, and costs link time besides.
-                if accepted or (decision == "keep" and kind not in overflowed):
+                if accepted:
                     break
+                if decision == "keep":
+                    if fits(tried):  # an offload saves what keeping saves, and costs link time
+                        break
+                    overflowed.append(kind)
     # Note [The budget search]: what did not fit everywhere, kept in the last regions.
     tries = _REGION_TRIES
     for kind in overflowed if regions > 1 else ():

@@ -61,6 +61,10 @@ _GIB = float(1 << 30)
 CheckpointFn = Callable[..., Any]
 
 
+def _set_checkpoint_fn(model: nn.Module, fn: CheckpointFn) -> None:
+    setattr(model, "checkpoint_fn", fn)  # noqa: B010 (an attribute of the example models only)
+
+
 @dataclasses.dataclass(frozen=True)
 class BudgetWorkload:
     """A model of the budget benchmark: how to build it, feed it and point it at a checkpoint.
@@ -68,7 +72,8 @@ class BudgetWorkload:
     Attributes:
         build: Makes the model (in bf16, on the device in force) and its inputs.
         loss: The training loss of the model on its inputs.
-        set_checkpoint: Runs every block of the model through a ``checkpoint_fn``.
+        set_checkpoint: Runs every block of the model through a ``checkpoint_fn``. Default:
+            the example models' ``checkpoint_fn`` attribute.
         projections: The matrix products of one block, as op kinds, for torch's selective
             peers: (every projection, the MLP's down projection).
         hf: Whether it is a Hugging Face model (checkpointed through its own layers).
@@ -76,8 +81,8 @@ class BudgetWorkload:
 
     build: Callable[[], tuple[nn.Module, tuple[Tensor, ...]]]
     loss: Callable[[Callable[..., Any], tuple[Tensor, ...]], Tensor]
-    set_checkpoint: Callable[[nn.Module, CheckpointFn], None]
     projections: tuple[frozenset[str], str]
+    set_checkpoint: Callable[[nn.Module, CheckpointFn], None] = _set_checkpoint_fn
     hf: bool = False
 
 
@@ -94,7 +99,6 @@ def _llama(config: LlamaConfig, batch: int) -> BudgetWorkload:
     return BudgetWorkload(
         build=build,
         loss=lambda model, inputs: model(*inputs).float().square().mean(),
-        set_checkpoint=lambda model, fn: setattr(model, "checkpoint_fn", fn),
         projections=(every, f"matmul {f}x{d}"),
     )
 
@@ -111,7 +115,6 @@ def _nanochat(depth: int, batch: int, seq_len: int) -> BudgetWorkload:
     return BudgetWorkload(
         build=build,
         loss=lambda model, inputs: model(*inputs),
-        set_checkpoint=lambda model, fn: setattr(model, "checkpoint_fn", fn),
         projections=(
             frozenset({f"matmul {d}x{d}", f"matmul {d}x{hidden}", f"matmul {hidden}x{d}"}),
             f"matmul {hidden}x{d}",
