@@ -72,10 +72,7 @@ def forward_graph(sizes: list[int]) -> tuple[torch.fx.Graph, list[torch.fx.Node]
 
 def copies_of(graph: torch.fx.Graph) -> list[Any]:
     nodes = list(graph.nodes)
-    return sorted(
-        _forward_window._async_copies(nodes) + _forward_window._stream_copies(nodes),
-        key=lambda copy: nodes.index(copy.start),
-    )
+    return sorted(_forward_window.find_copies(nodes), key=lambda copy: nodes.index(copy.start))
 
 
 _WAITS_AND_KEEP_ALIVES = {"streams::wait_event", "streams::record_stream", "ao::wait_tensor"}
@@ -209,7 +206,7 @@ def test_a_window_asked_for_reaches_only_the_next_graph(fake_offloading: list[in
     forward = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
     compat.set_forward_window(1234)
     wrapped = module.enable_activation_offloading
-    assert wrapped.matepoint_window
+    assert wrapped.matepoint_wrapper
     compat.set_forward_window(1234)  # wraps torch's function once only
     assert module.enable_activation_offloading is wrapped
     graphs = compat.FORWARD_WINDOW_COUNTS.graphs

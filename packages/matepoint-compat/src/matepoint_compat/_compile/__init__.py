@@ -24,16 +24,11 @@ path under compile (a graph break per checkpoint).
 import torch
 
 from matepoint_compat._compile._forward_window import (
-    COPIES_IN_FLIGHT,
     FORWARD_WINDOW_COUNTS,
     ForwardWindowCounts,
     bound_forward_waits,
 )
-from matepoint_compat._compile._inductor_order import (
-    INDUCTOR_ORDER_COUNTS,
-    InductorOrderCounts,
-    keep_order,
-)
+from matepoint_compat._compile._inductor_order import INDUCTOR_ORDER_COUNTS, InductorOrderCounts
 from matepoint_compat._compile._partition import set_forward_window
 from matepoint_compat._compile._regions import (
     annotate_offload,
@@ -55,16 +50,11 @@ from matepoint_compat._compile._torch_names import (
     STREAM_COPIES_CACHEABLE,
     run_at_trace_time,
 )
-from matepoint_compat._compile._traffic import (
-    COMPILED_TRAFFIC,
-    CompiledTrafficCounts,
-    count_graph_copies,
-)
+from matepoint_compat._compile._traffic import COMPILED_TRAFFIC, CompiledTrafficCounts
 
 __all__ = [
     "COMPILED_OFFLOAD",
     "COMPILED_TRAFFIC",
-    "COPIES_IN_FLIGHT",
     "FORWARD_WINDOW_COUNTS",
     "INDUCTOR_ORDER_COUNTS",
     "STREAM_COPIES_CACHEABLE",
@@ -76,9 +66,7 @@ __all__ = [
     "close_compile_scope",
     "compile_tracing",
     "compiled_offload_config",
-    "count_graph_copies",
     "forward_nodes",
-    "keep_order",
     "mark_for_offload",
     "nbytes_hint",
     "offloaded_nodes",

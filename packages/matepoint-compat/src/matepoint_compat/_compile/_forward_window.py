@@ -47,14 +47,14 @@ Note [The forward copy window]
     do not have the shape expected of the installed torch keeps torch's placement (correct,
     only slower), with a warning.
 
-    The 2.11 parts (``_stream_copies``: the keep-alive and the moved ``record_stream``) can go
-    when torch 2.12 is the oldest release the compiled path supports (gate
-    ``TORCH_2_12_PLUS``); the window itself stays as long as torch places the waits as above.
+    The 2.11 parts (the ``device_put`` layout in :func:`find_copies`, ``_Copy.record_stream``:
+    the keep-alive and the moved ``record_stream``) can go when torch 2.12 is the oldest release
+    the compiled path supports (gate ``TORCH_2_12_PLUS``); the window itself stays as long as
+    torch places the waits as above.
 """
 
 from __future__ import annotations
 
-import collections
 import warnings
 from dataclasses import dataclass
 
@@ -97,60 +97,43 @@ def _op_name(node: torch.fx.Node) -> str:
     return "" if node.op != "call_function" or schema is None else str(schema.name)
 
 
-def _value_bytes(node: torch.fx.Node) -> int:
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor):
-        raise UnexpectedShape(f"copied value {node.name} has no tensor metadata")
-    return nbytes_hint(value)
-
-
-def _async_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
-    """torch 2.12+: ``ao::offload(value)`` then ``ao::wait_tensor(offload, value)``."""
-    copies = []
-    for node in nodes:
-        if _op_name(node) != ASYNC_WAIT_OP:
-            continue
-        offload = node.args[0]
-        if not isinstance(offload, torch.fx.Node) or _op_name(offload) != ASYNC_OFFLOAD_OP:
-            continue
-        value = offload.args[0]
-        if not isinstance(value, torch.fx.Node) or node.args[1:2] != (value,):
-            raise UnexpectedShape(f"{node.name} does not keep its copied value alive")
-        copies.append(_Copy(offload, node, value, _value_bytes(value)))
-    return copies
-
-
-def _stream_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
-    """torch 2.11: the copy sits at index 4 of ``STREAM_COPY_PATTERN``; the last is its wait."""
-    copies = []
-    for index, node in enumerate(nodes):
-        if _op_name(node) != "prims::device_put" or not node.name.startswith(OFFLOAD_PREFIX):
-            continue
-        group = nodes[max(index - 4, 0) : index + 4]
-        if tuple(_op_name(member) for member in group) != STREAM_COPY_PATTERN:
-            raise UnexpectedShape(f"the stream ops around {node.name} are not torch 2.11's")
-        record_stream, wait = group[3], group[7]
-        value = node.args[0]
-        if not isinstance(value, torch.fx.Node) or record_stream.args[0] is not value:
-            raise UnexpectedShape(f"{record_stream.name} does not name what {node.name} copies")
-        copies.append(_Copy(group[0], wait, value, _value_bytes(value), record_stream))
-    return copies
+def _copied(copy: torch.fx.Node) -> tuple[torch.fx.Node, int]:
+    """The value a copy node copies, and its bytes (raises unless it is a traced tensor)."""
+    value = copy.args[0]
+    if not isinstance(value, torch.fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+        raise UnexpectedShape(f"the value {copy.name} copies has no tensor metadata")
+    return value, nbytes_hint(value.meta["val"])
 
 
 def find_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
-    """The copies in a forward graph's nodes, in either torch layout (raises if unexpected)."""
-    return _async_copies(nodes) + _stream_copies(nodes)
+    """The copies in a forward graph's nodes, in either torch layout (raises if unexpected).
+
+    torch 2.12+: ``ao::offload(value)`` then ``ao::wait_tensor(offload, value)``. torch 2.11:
+    the copy sits at index 4 of ``STREAM_COPY_PATTERN``, the value's ``record_stream`` at 3, and
+    the last is its wait.
+    """
+    copies = []
+    for index, node in enumerate(nodes):
+        offload = node.args[0] if _op_name(node) == ASYNC_WAIT_OP else None
+        if isinstance(offload, torch.fx.Node) and _op_name(offload) == ASYNC_OFFLOAD_OP:
+            copies.append(_Copy(offload, node, *_copied(offload)))
+            if node.args[1:2] != (copies[-1].value,):
+                raise UnexpectedShape(f"{node.name} does not keep its copied value alive")
+        elif _op_name(node) == "prims::device_put" and node.name.startswith(OFFLOAD_PREFIX):
+            group = nodes[max(index - 4, 0) : index + 4]
+            if tuple(map(_op_name, group)) != STREAM_COPY_PATTERN:
+                raise UnexpectedShape(f"the stream ops around {node.name} are not torch 2.11's")
+            if group[3].args[:1] != node.args[:1]:
+                raise UnexpectedShape(f"{group[3].name} does not name what {node.name} copies")
+            copies.append(_Copy(group[0], group[7], *_copied(node), group[3]))
+    return copies
 
 
 def _move_wait(copy: _Copy, before: torch.fx.Node) -> None:
     """Move ``copy``'s wait before ``before``; on 2.11 keep its value alive until the wait."""
     before.prepend(copy.wait)
     if copy.record_stream is not None:
-        with copy.wait.graph.inserting_before(copy.wait):
-            copy.wait.graph.call_function(
-                copy.record_stream.target,  # type: ignore[arg-type]
-                copy.record_stream.args,
-            )
+        copy.wait.prepend(copy.wait.graph.node_copy(copy.record_stream))
 
 
 COPIES_IN_FLIGHT = 1
@@ -175,8 +158,9 @@ def bound_forward_waits(
         copies_in_flight: Most copies that may still be running when a new copy starts.
 
     Returns:
-        How many waits moved. A graph left as it is gets a ``RuntimeWarning`` naming what was
-        unexpected.
+        How many waits moved: every copy within the bytes bound (each waits for it either before
+        a later copy starts or at the end). A graph left as it is gets a ``RuntimeWarning``
+        naming what was unexpected.
     """
     nodes = list(graph.nodes)
     try:
@@ -196,25 +180,19 @@ def bound_forward_waits(
         return 0
     order = {node: index for index, node in enumerate(nodes)}
     copies.sort(key=lambda copy: order[copy.start])
-    pending: collections.deque[_Copy] = collections.deque()
-    in_flight = 0
-    moved = 0
+    pending: list[_Copy] = []  # oldest first
     for copy in copies:
         while pending and (
-            in_flight + copy.nbytes > max_inflight_bytes or len(pending) >= copies_in_flight
+            sum(waiting.nbytes for waiting in pending) + copy.nbytes > max_inflight_bytes
+            or len(pending) >= copies_in_flight
         ):
-            oldest = pending.popleft()
-            in_flight -= oldest.nbytes
-            _move_wait(oldest, copy.start)
-            moved += 1
+            _move_wait(pending.pop(0), copy.start)
         if copy.nbytes <= max_inflight_bytes:
             pending.append(copy)
-            in_flight += copy.nbytes
     output = next(node for node in reversed(nodes) if node.op == "output")
     for copy in pending:
         _move_wait(copy, output)
-        moved += 1
-    return moved
+    return sum(copy.nbytes <= max_inflight_bytes for copy in copies)
 
 
 @dataclass

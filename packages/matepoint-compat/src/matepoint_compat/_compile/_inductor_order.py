@@ -41,8 +41,8 @@ import torch
 
 from matepoint_compat._compile._torch_names import (
     INDUCTOR_GRAPH_ENTRY,
-    inductor_compile_module,
     inductor_order_kept,
+    wrap_once,
 )
 
 __all__ = ["INDUCTOR_ORDER_COUNTS", "InductorOrderCounts", "keep_order"]
@@ -69,32 +69,17 @@ INDUCTOR_ORDER_COUNTS = InductorOrderCounts()
 """The process's running counts (reset by assigning fresh values to the fields)."""
 
 
-def _marked(graph_module: Any) -> bool:
-    graph = getattr(graph_module, "graph", None)
-    if graph is None:
-        return False
-    return any(node.meta.get(_MARK, False) for node in graph.nodes)
-
-
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compile_graph(graph_module: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _marked(graph_module):
+        nodes = getattr(graph_module, "graph", torch.fx.Graph()).nodes
+        if not any(_MARK in node.meta for node in nodes):
             return original(graph_module, *args, **kwargs)
         INDUCTOR_ORDER_COUNTS.compiled += 1
         with inductor_order_kept():
             return original(graph_module, *args, **kwargs)
 
-    compile_graph.matepoint_keep_order = True  # type: ignore[attr-defined]
     return compile_graph
-
-
-def _install() -> None:
-    """Wrap inductor's per-graph compile once per process (idempotent)."""
-    module = inductor_compile_module()
-    compile_graph = getattr(module, INDUCTOR_GRAPH_ENTRY)
-    if not getattr(compile_graph, "matepoint_keep_order", False):
-        setattr(module, INDUCTOR_GRAPH_ENTRY, _wrap(compile_graph))
 
 
 def keep_order(*graph_modules: torch.fx.GraphModule) -> None:
@@ -102,14 +87,15 @@ def keep_order(*graph_modules: torch.fx.GraphModule) -> None:
     reorder].
 
     Marks every node (a node's ``meta`` survives the passes that copy or rewrite a graph before
-    inductor lowers it), so a graph with any of them compiles with the reorder off.
+    inductor lowers it), so a graph with any of them compiles with the reorder off. Inductor's
+    per-graph compile is wrapped for that once per process.
 
     Args:
         graph_modules: The forward and backward graphs of a matepoint-marked compile, as the
             partitioner hands them to torch's activation offloading.
     """
-    _install()
+    wrap_once(INDUCTOR_GRAPH_ENTRY, _wrap)
+    INDUCTOR_ORDER_COUNTS.marked += len(graph_modules)
     for graph_module in graph_modules:
-        INDUCTOR_ORDER_COUNTS.marked += 1
         for node in graph_module.graph.nodes:
             node.meta[_MARK] = True

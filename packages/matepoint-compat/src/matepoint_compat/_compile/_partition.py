@@ -21,7 +21,7 @@ import torch
 from matepoint_compat._compile import _forward_window
 from matepoint_compat._compile._forward_window import FORWARD_WINDOW_COUNTS, find_copies
 from matepoint_compat._compile._inductor_order import keep_order
-from matepoint_compat._compile._torch_names import OFFLOADING_ENTRY, activation_offloading_module
+from matepoint_compat._compile._torch_names import OFFLOADING_ENTRY, wrap_once
 from matepoint_compat._compile._traffic import count_graph_copies
 
 __all__ = ["set_forward_window"]
@@ -65,7 +65,6 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
             fwd_module.recompile()
         count_graph_copies(fwd_module, backward)
 
-    enable_activation_offloading.matepoint_window = True  # type: ignore[attr-defined]
     return enable_activation_offloading
 
 
@@ -82,9 +81,6 @@ def set_forward_window(max_inflight_bytes: int | None) -> None:
             2.11's copies made safe), or ``None`` to leave torch's placement as it is
             (synchronous copies).
     """
-    module = activation_offloading_module()
-    offload = getattr(module, OFFLOADING_ENTRY)
-    if not getattr(offload, "matepoint_window", False):
-        setattr(module, OFFLOADING_ENTRY, _wrap(offload))
+    wrap_once(OFFLOADING_ENTRY, _wrap)
     _PENDING.max_inflight_bytes = max_inflight_bytes
     _PENDING.matepoint_graph = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -21,7 +21,6 @@ from matepoint_compat._compile._torch_names import (
     OFFLOAD_PREFIX,
     REGION_META,
     SHOULD_OFFLOAD_META,
-    annotate,
     size_hint,
 )
 
@@ -46,7 +45,7 @@ def annotate_offload(annotation: dict[str, Any]) -> contextlib.AbstractContextMa
         annotation: Plain constants (ints, bools, None): the region's offload choices, which
             :func:`region_inputs` hands back to the pass.
     """
-    return annotate({_ANNOTATION_KEY: annotation})
+    return torch.fx.traceback.annotate({_ANNOTATION_KEY: annotation})
 
 
 def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -54,10 +53,9 @@ def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _recompute_all_contexts(cache_hash: str) -> tuple[Any, Any]:
-    del cache_hash  # it only identifies the partial that carries it
+    # cache_hash only identifies the partial that carries it.
     create_contexts: Any = torch_checkpoint.create_selective_checkpoint_contexts
-    contexts: tuple[Any, Any] = create_contexts(_recompute_everything)
-    return contexts
+    return cast(tuple[Any, Any], create_contexts(_recompute_everything))
 
 
 def recompute_all_context_fn(
@@ -89,20 +87,14 @@ def recompute_all_context_fn(
     return context_fn
 
 
-def _is_tangent(node: torch.fx.Node) -> bool:
-    return node.op == "placeholder" and "tangents" in str(node.target)
-
-
 def forward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """The nodes of a joint graph that do not depend on a tangent (its forward part)."""
     backward: set[torch.fx.Node] = set()
-    forward: set[torch.fx.Node] = set()
     for node in graph.nodes:
-        if _is_tangent(node) or any(arg in backward for arg in node.all_input_nodes):
+        tangent = node.op == "placeholder" and "tangents" in str(node.target)
+        if tangent or not backward.isdisjoint(node.all_input_nodes):
             backward.add(node)
-        else:
-            forward.add(node)
-    return forward
+    return set(graph.nodes) - backward
 
 
 def region_inputs(
@@ -122,19 +114,17 @@ def region_inputs(
     """
     forward = forward_nodes(graph.graph)
     for node in graph.graph.nodes:
-        if node.op != "call_function" or node not in forward:
-            continue
         value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor):
+        if node.op != "call_function" or node not in forward or not isinstance(value, torch.Tensor):
             continue
-        region = node.meta.get(REGION_META)
-        annotations = []
-        for user in node.users:
-            if user not in forward or REGION_META not in user.meta:
-                continue
-            annotation = user.meta.get(ANNOTATION_META, {}).get(_ANNOTATION_KEY)
-            if annotation is not None and user.meta[REGION_META] != region:
-                annotations.append(annotation)
+        region = node.meta.get(REGION_META)  # a user lacking one is in no region: left out
+        annotations = [
+            user.meta[ANNOTATION_META][_ANNOTATION_KEY]
+            for user in node.users
+            if user in forward
+            and user.meta.get(REGION_META, region) != region
+            and _ANNOTATION_KEY in user.meta.get(ANNOTATION_META, {})
+        ]
         if annotations:
             yield node, value, annotations
 
@@ -146,9 +136,7 @@ def nbytes_hint(value: torch.Tensor) -> int:
     the graph).
     """
     nbytes: Any = value.numel() * value.element_size()  # a SymInt with dynamic shapes
-    if isinstance(nbytes, int):
-        return nbytes
-    return size_hint(nbytes)
+    return nbytes if isinstance(nbytes, int) else size_hint(nbytes)
 
 
 def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.Tensor]]:
@@ -160,9 +148,7 @@ def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.No
     outside the regions: a region node it reaches is yielded but not walked through, and graph
     inputs (parameters, the model's inputs) are not yielded.
     """
-    if REGION_META in node.meta:
-        return
-    pending = list(node.all_input_nodes)
+    pending = [] if REGION_META in node.meta else list(node.all_input_nodes)
     seen: set[torch.fx.Node] = set()
     while pending:
         current = pending.pop()
@@ -181,14 +167,18 @@ def mark_for_offload(node: torch.fx.Node) -> None:
     node.meta[SHOULD_OFFLOAD_META] = True
 
 
+def copies_named(graph: torch.fx.Graph, prefix: str) -> list[torch.fx.Node]:
+    """The nodes of a partitioned graph that torch's offloading named with ``prefix``: its copies
+    (``OFFLOAD_PREFIX``: to the host; ``RELOAD_PREFIX``: back to the device)."""
+    return [
+        node for node in graph.nodes if node.op == "call_function" and node.name.startswith(prefix)
+    ]
+
+
 def offloaded_nodes(graph: torch.fx.GraphModule) -> list[str]:
     """Names of the values a partitioned forward graph sends to the host (for tests and reports).
 
     The partitioner names the host copy of value ``v`` ``cpu_offload_v``: the ``device_put`` of
     the synchronous path, the ``ao.wait_tensor`` of the asynchronous one.
     """
-    return [
-        node.name
-        for node in graph.graph.nodes
-        if node.op == "call_function" and node.name.startswith(OFFLOAD_PREFIX)
-    ]
+    return [node.name for node in copies_named(graph.graph, OFFLOAD_PREFIX)]

@@ -20,25 +20,27 @@ Note [Compile settings are scoped]
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from matepoint_compat._compile._partition import set_forward_window
 from matepoint_compat._compile._torch_names import (
+    COMPILE_SETTINGS,
     COMPILED_OFFLOAD,
     JOINT_PASS_SETTING,
     OFFLOAD_SETTING,
     RELOAD_PREFETCH_SETTING,
     SEPARATE_STREAM_SETTING,
     SINK_WAIT_SETTING,
-    STREAM_SETTINGS,
     functorch_config,
     mend_record_stream,
     on_compile_end,
 )
-from matepoint_compat._compile._traffic import register_count_op
+from matepoint_compat._compile._traffic import count_op
 from matepoint_compat._version import TORCH_2_12_PLUS
 
 __all__ = ["close_compile_scope", "compiled_offload_config", "open_compile_scope"]
@@ -46,13 +48,13 @@ __all__ = ["close_compile_scope", "compiled_offload_config", "open_compile_scope
 _JointPass = Callable[[torch.fx.GraphModule, Any], torch.fx.GraphModule]
 
 
+@dataclass(frozen=True)
 class _ChainedJointPass:
     """The joint pass set for a compile: the one found in torch's settings first, then
     matepoint's."""
 
-    def __init__(self, previous: _JointPass | None, own: _JointPass) -> None:
-        self.previous = previous
-        self.own = own
+    previous: _JointPass | None
+    own: _JointPass
 
     def __call__(self, graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
         if self.previous is not None:
@@ -75,29 +77,29 @@ def open_compile_scope(own: _JointPass) -> None:
     if _open_scope is not None:
         return
     config = functorch_config()
-    current = getattr(config, JOINT_PASS_SETTING)
-    settings: dict[str, Any] = {name: getattr(config, name) for name in STREAM_SETTINGS}
-    settings[JOINT_PASS_SETTING] = _ChainedJointPass(current if callable(current) else None, own)
+    previous = getattr(config, JOINT_PASS_SETTING)
+    # Every setting the compile may change, to be restored as it is now when the scope closes.
+    settings: dict[str, Any] = {name: getattr(config, name) for name in COMPILE_SETTINGS}
+    settings[JOINT_PASS_SETTING] = _ChainedJointPass(previous if callable(previous) else None, own)
     settings[OFFLOAD_SETTING] = True
-    scope = contextlib.ExitStack()
-    scope.enter_context(config.patch(settings))
-    _open_scope = scope
-    register_count_op()
+    _open_scope = contextlib.ExitStack()
+    _open_scope.enter_context(config.patch(settings))
+    count_op()  # registered before a cached graph that calls it can be loaded
     on_compile_end(close_compile_scope)
 
 
-def close_compile_scope() -> None:
-    """Restore the settings :func:`open_compile_scope` set (nothing if none is open)."""
+def close_compile_scope(compile_end: object = None) -> None:
+    """Restore the settings :func:`open_compile_scope` set (nothing if none is open).
+
+    Also Dynamo's end-of-compile callback, which passes what ended (``compile_end``, unused).
+    """
     global _open_scope
     scope, _open_scope = _open_scope, None
     if scope is not None:
         scope.close()
 
 
-def _record_stream_fake(tensor: torch.Tensor, stream_index: int) -> None:
-    del tensor, stream_index  # the op returns nothing and changes no tensor metadata
-
-
+@functools.cache
 def mend_stream_ops() -> None:
     """Make torch 2.11's ``streams::record_stream`` compile, as torch 2.12 does.
 
@@ -108,18 +110,12 @@ def mend_stream_ops() -> None:
     transfer-stream offload inserts the op before every copy, so neither torch's nor
     matepoint's compiled offload can copy on the transfer stream there. This registers the fake
     implementation and the side effect torch 2.12 has, for the rest of the process (checked on
-    an H200 with torch 2.11: gradients equal to torch's checkpoint under compile). Idempotent;
-    nothing to do from 2.12 on.
+    an H200 with torch 2.11: gradients equal to torch's checkpoint under compile). Once per
+    process; nothing to do from 2.12 on.
     Shim (gate ``TORCH_2_12_PLUS``) can go when 2.12 is the oldest supported torch.
     """
-    global _stream_ops_mended
-    if TORCH_2_12_PLUS or not COMPILED_OFFLOAD or _stream_ops_mended:
-        return
-    mend_record_stream(_record_stream_fake)
-    _stream_ops_mended = True
-
-
-_stream_ops_mended = False
+    if not TORCH_2_12_PLUS and COMPILED_OFFLOAD:
+        mend_record_stream()
 
 
 def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> None:

@@ -18,9 +18,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import traceback
-from collections.abc import Callable, Iterator
-from types import ModuleType
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -82,16 +81,16 @@ Can go when 2.12 is the oldest supported torch (gate ``TORCH_2_12_PLUS``)."""
 
 
 def _has_compiled_offload() -> bool:
-    if not TORCH_2_11_PLUS:
-        return False
     fx_traceback: Any = torch.fx.traceback
-    config = functorch_config()
     return (
-        hasattr(fx_traceback, "annotate")
-        and all(hasattr(config, name) for name in COMPILE_SETTINGS)
-        and importlib.util.find_spec("torch._functorch._activation_offloading") is not None
+        TORCH_2_11_PLUS
+        and hasattr(fx_traceback, "annotate")
+        and all(hasattr(functorch_config(), name) for name in COMPILE_SETTINGS)
         and hasattr(torch._dynamo, "assume_constant_result")
-        and importlib.util.find_spec("torch._dynamo.callback") is not None
+        and all(
+            importlib.util.find_spec(f"torch.{name}") is not None
+            for name in ("_functorch._activation_offloading", "_dynamo.callback")
+        )
     )
 
 
@@ -132,8 +131,7 @@ def run_at_trace_time(function: _F) -> _F:
     call costs nothing when the graph runs. Outside Dynamo it is a plain call.
     """
     assume_constant_result: Any = torch._dynamo.assume_constant_result
-    marked: _F = assume_constant_result(function)
-    return marked
+    return cast(_F, assume_constant_result(function))
 
 
 def traced_user_stack() -> traceback.StackSummary:
@@ -144,78 +142,59 @@ def traced_user_stack() -> traceback.StackSummary:
     """
     from torch._guards import TracingContext
 
-    stack: traceback.StackSummary = TracingContext.extract_stack()
-    return stack
+    return TracingContext.extract_stack()
 
 
-def on_compile_end(callback: Callable[[], None]) -> None:
+def on_compile_end(callback: Callable[[Any], None]) -> None:
     """Have ``callback`` run when the compile in progress ends (however it ends).
 
     ``torch._dynamo.callback.callback_handler`` (gate ``COMPILED_OFFLOAD``; can go when torch
-    scopes its compile settings to one compile itself): its end callbacks run when the outermost
-    compile of a frame ends, after the backend compiled its graphs, also when it fails.
-    ``torch._dynamo.reset()`` clears them, so this registers again where needed (idempotent).
+    scopes its compile settings to one compile itself): its end callbacks run, with what ended,
+    when the outermost compile of a frame ends, after the backend compiled its graphs, also when
+    it fails. ``torch._dynamo.reset()`` clears them, so this registers again where needed
+    (idempotent).
     """
     from torch._dynamo.callback import callback_handler
 
-    handler: Any = callback_handler
-    if not any(
-        getattr(known, "matepoint_callback", None) is callback for known in handler.end_callbacks
-    ):
-
-        def run(args: Any) -> None:
-            del args
-            callback()
-
-        run.matepoint_callback = callback  # type: ignore[attr-defined]
-        handler.register_end_callback(run)
-
-
-def annotate(annotation: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
-    """``torch.fx.traceback.annotate``: copies a dict into ``node.meta["custom"]`` of every node
-    traced inside it, through Dynamo and AOTAutograd. Not private, but only from torch 2.11 on
-    (gate ``COMPILED_OFFLOAD``); here with the meta key it writes."""
-    annotate_: Callable[[dict[str, Any]], contextlib.AbstractContextManager[None]]
-    annotate_ = torch.fx.traceback.annotate
-    return annotate_(annotation)
+    if callback not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(callback)
 
 
 # -- the partitioner's offloading and inductor ------------------------------------------------
 
 
-OFFLOADING_ENTRY = "enable_activation_offloading"
-"""The function of :func:`activation_offloading_module` the partitioner calls."""
-INDUCTOR_GRAPH_ENTRY = "_compile_fx_inner"
-"""The function of :func:`inductor_compile_module` that compiles one graph."""
+OFFLOADING_ENTRY = (
+    "torch._functorch._activation_offloading.activation_offloading.enable_activation_offloading"
+)
+"""What the partitioner calls, looked up in its module at each call, right after the joint pass
+(gate ``COMPILED_OFFLOAD``; can go with the joint pass)."""
+INDUCTOR_GRAPH_ENTRY = "torch._inductor.compile_fx._compile_fx_inner"
+"""What inductor compiles each graph with, looked up in its module at each call (gate
+``COMPILED_OFFLOAD``; can go once inductor's peak-memory estimate leaves host buffers out, Note
+[Inductor's peak-memory reorder])."""
 
 
-def activation_offloading_module() -> ModuleType:
-    """``torch._functorch._activation_offloading.activation_offloading`` (gate
-    ``COMPILED_OFFLOAD``): the partitioner calls its ``enable_activation_offloading``, looked up
-    in the module at each call, right after the joint pass. Can go with the joint pass."""
-    from torch._functorch._activation_offloading import activation_offloading
+def wrap_once(entry: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace the torch function ``entry`` names by ``wrap(function)``, for the process's rest.
 
-    return activation_offloading
-
-
-def inductor_compile_module() -> ModuleType:
-    """``torch._inductor.compile_fx`` (gate ``COMPILED_OFFLOAD``): inductor compiles each graph
-    through its ``_compile_fx_inner``, looked up in the module at each call. Can go once
-    inductor's peak-memory estimate leaves host buffers out (Note [Inductor's peak-memory
-    reorder])."""
-    from torch._inductor import compile_fx
-
-    return compile_fx
+    Idempotent: the wrapper is marked, and a function so marked is left as it is.
+    """
+    module_name, _, name = entry.rpartition(".")
+    module = importlib.import_module(module_name)
+    function = getattr(module, name)
+    if not getattr(function, "matepoint_wrapper", False):
+        wrapped = wrap(function)
+        wrapped.matepoint_wrapper = True  # type: ignore[attr-defined]
+        setattr(module, name, wrapped)
 
 
-@contextlib.contextmanager
-def inductor_order_kept() -> Iterator[None]:
+def inductor_order_kept() -> contextlib.AbstractContextManager[None]:
     """``torch._inductor.config.patch(reorder_for_peak_memory=False)`` (gate
-    ``COMPILED_OFFLOAD``; goes with :func:`inductor_compile_module`)."""
+    ``COMPILED_OFFLOAD``; goes with ``INDUCTOR_GRAPH_ENTRY``)."""
     import torch._inductor.config as inductor_config
 
-    with inductor_config.patch(reorder_for_peak_memory=False):
-        yield
+    kept: Any = inductor_config.patch(reorder_for_peak_memory=False)
+    return cast(contextlib.AbstractContextManager[None], kept)
 
 
 def size_hint(size: Any) -> int:
@@ -234,12 +213,13 @@ def mark_side_effect(op: Any) -> None:
     has_side_effect(op)
 
 
-def mend_record_stream(fake: Callable[[torch.Tensor, int], None]) -> None:
+def mend_record_stream() -> None:
     """torch 2.11's ``streams::record_stream`` (``torch._dynamo.variables.streams``): register
-    the fake implementation and side effect torch 2.12 gives it. Gate ``TORCH_2_12_PLUS``: can go
-    when 2.12 is the oldest supported torch."""
+    the fake implementation (the op returns nothing and changes no tensor metadata) and the side
+    effect torch 2.12 gives it. Once only. Gate ``TORCH_2_12_PLUS``: can go when 2.12 is the
+    oldest supported torch."""
     from torch._dynamo.variables import streams
 
     record_stream: Any = streams.record_stream
-    record_stream.register_fake(fake)
+    record_stream.register_fake(lambda tensor, stream_index: None)
     mark_side_effect(torch.ops.streams.record_stream.default)

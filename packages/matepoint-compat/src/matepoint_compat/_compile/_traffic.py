@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from matepoint_compat._compile._regions import nbytes_hint
+from matepoint_compat._compile._regions import copies_named, nbytes_hint
 from matepoint_compat._compile._torch_names import OFFLOAD_PREFIX, RELOAD_PREFIX, mark_side_effect
 
 __all__ = ["COMPILED_TRAFFIC", "CompiledTrafficCounts", "count_graph_copies"]
@@ -55,66 +55,46 @@ COMPILED_TRAFFIC = CompiledTrafficCounts()
 _LOCK = threading.Lock()
 
 
-def _add(to_host: bool, tensors: int, nbytes: int) -> None:
-    with _LOCK:
-        if to_host:
-            COMPILED_TRAFFIC.offloads += tensors
-            COMPILED_TRAFFIC.bytes_offloaded += nbytes
-        else:
-            COMPILED_TRAFFIC.fetches += tensors
-            COMPILED_TRAFFIC.bytes_fetched += nbytes
-
-
 @functools.cache
-def _count_op() -> Any:
-    """``matepoint_compat::count_copies(to_host, tensors, nbytes)``, registered once."""
+def count_op() -> Any:
+    """``matepoint_compat::count_copies(to_host, tensors, nbytes)``, registered once (before a
+    cached graph that calls it can be loaded: every matepoint compile asks for it)."""
 
     @torch.library.custom_op("matepoint_compat::count_copies", mutates_args=())
     def count_copies(to_host: bool, tensors: int, nbytes: int) -> None:
-        _add(to_host, tensors, nbytes)
+        with _LOCK:
+            if to_host:
+                COMPILED_TRAFFIC.offloads += tensors
+                COMPILED_TRAFFIC.bytes_offloaded += nbytes
+            else:
+                COMPILED_TRAFFIC.fetches += tensors
+                COMPILED_TRAFFIC.bytes_fetched += nbytes
 
-    @count_copies.register_fake
-    def _(to_host: bool, tensors: int, nbytes: int) -> None:
-        del to_host, tensors, nbytes
-
+    count_copies.register_fake(lambda to_host, tensors, nbytes: None)
     op = torch.ops.matepoint_compat.count_copies.default
     mark_side_effect(op)  # it returns nothing: no pass may drop it
     return op
 
 
-def register_count_op() -> None:
-    """Register the count op (before a cached graph that calls it can be loaded; idempotent)."""
-    _count_op()
-
-
-def _count(graph_module: torch.fx.GraphModule, prefix: str, to_host: bool) -> tuple[int, int]:
-    copies = [
-        node
-        for node in graph_module.graph.nodes
-        if node.op == "call_function" and node.name.startswith(prefix)
-    ]
+def _count(graph_module: torch.fx.GraphModule, prefix: str, to_host: bool) -> None:
+    copies = copies_named(graph_module.graph, prefix)
+    if not copies:
+        return
     values = [node.meta.get("val") for node in copies]
     nbytes = sum(nbytes_hint(value) for value in values if isinstance(value, torch.Tensor))
-    if copies:
-        # First, after the inputs: a node with no inputs changes no buffer's lifetime (inductor
-        # emits a graph's last pointwise kernel lazily, and freed its inputs early when the
-        # count came just before the output).
-        first = next(node for node in graph_module.graph.nodes if node.op != "placeholder")
-        with graph_module.graph.inserting_before(first):
-            graph_module.graph.call_function(_count_op(), (to_host, len(copies), nbytes))
-        graph_module.recompile()
-    return len(copies), nbytes
+    # First, after the inputs: a node with no inputs changes no buffer's lifetime (inductor
+    # emits a graph's last pointwise kernel lazily, and freed its inputs early when the count
+    # came just before the output).
+    first = next(node for node in graph_module.graph.nodes if node.op != "placeholder")
+    with graph_module.graph.inserting_before(first):
+        graph_module.graph.call_function(count_op(), (to_host, len(copies), nbytes))
+    graph_module.recompile()
 
 
 def count_graph_copies(
     forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None
-) -> tuple[int, int]:
-    """Put the count ops into a matepoint graph's forward and backward, after torch's copies.
-
-    Returns:
-        The forward's copies to the host: how many, and their bytes (per run).
-    """
-    counted = _count(forward, OFFLOAD_PREFIX, to_host=True)
+) -> None:
+    """Put the count ops into a matepoint graph's forward and backward, after torch's copies."""
+    _count(forward, OFFLOAD_PREFIX, to_host=True)
     if backward is not None:
         _count(backward, RELOAD_PREFIX, to_host=False)
-    return counted
