@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import matepoint_compat as compat
-from matepoint_compat._compile import _forward_window, _partition
+from matepoint_compat._compile import _forward_window, _scope
 
 pytestmark = pytest.mark.skipif(
     not compat.COMPILED_OFFLOAD, reason="this torch has no compiled activation offloading"
@@ -197,8 +197,8 @@ def fake_offloading(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         lambda graph, bound: seen.append(bound) or 0,
     )
     yield seen
-    _partition._PENDING.max_inflight_bytes = None
-    _partition._PENDING.matepoint_graph = False
+    _scope._PENDING.max_inflight_bytes = None
+    _scope._PENDING.matepoint_graph = False
 
 
 def test_a_window_asked_for_reaches_only_the_next_graph(fake_offloading: list[int]) -> None:

@@ -65,6 +65,7 @@ Note [The compiled path]
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -79,9 +80,10 @@ from matepoint._saving import stay_reason
 __all__ = ["checkpoint"]
 
 # A checkpoint's offload= as traced code hands it to _resolve: None or a bool as it is, an
-# OffloadOptions as its fields (Dynamo passes only constants to a trace-time function, and an
-# OffloadOptions built inside the compiled code is not one).
-_OffloadChoice = bool | None | tuple[bool, bool | None, int | None, tuple[tuple[str, Any], ...]]
+# OffloadOptions as (field, value) pairs (Dynamo passes only constants to a trace-time function,
+# and an OffloadOptions built inside the compiled code is not one).
+_OffloadChoice = bool | None | tuple[tuple[str, Any], ...]
+_OFFLOAD_FIELDS = ("enabled", "pipeline", "min_offload_bytes", "deprecated_settings")
 
 
 class _ContextFns:
@@ -98,18 +100,9 @@ class _ContextFns:
     """
 
 
-_CONTEXT_FN_NAMES: dict[str, str] = {}
-"""cache_hash -> the name of its ``context_fn`` on :class:`_ContextFns`."""
-
-
 def _describe(offload: OffloadOptions | bool | None) -> _OffloadChoice:
     if isinstance(offload, OffloadOptions):
-        return (
-            offload.enabled,
-            offload.pipeline,
-            offload.min_offload_bytes,
-            offload.deprecated_settings,
-        )
+        return tuple((name, getattr(offload, name)) for name in _OFFLOAD_FIELDS)
     return offload
 
 
@@ -130,29 +123,25 @@ def checkpoint(
     equivalent to none.
     """
     given: tuple[object, object] = (offload, pipeline)  # as the caller passed them, unchecked
-    if not (given[0] is None or isinstance(given[0], (bool, OffloadOptions))) or not isinstance(
-        given[1], bool
-    ):
+    if not isinstance(given[0], (bool, OffloadOptions, type(None))) or type(given[1]) is not bool:
         resolve(offload, pipeline)  # raises the eager path's TypeError (traced: Dynamo stops)
     choices = _resolve(_describe(offload), pipeline)
     if choices is None:
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
     context_fn_name, min_offload_bytes, pipelined, max_inflight_bytes = choices
     _open_compile_scope()
-    reentrant = True if use_reentrant is None else bool(use_reentrant)
+    reentrant = use_reentrant is not False
     # Raises for keywords the installed torch lacks, as the eager path does.
     with compat.adapt_checkpoint_kwargs(kwargs, use_reentrant=reentrant):
-        if not reentrant and "context_fn" not in kwargs:
-            # See Note [Context functions looked up by name].
+        carries_context_fn = not reentrant and "context_fn" not in kwargs
+        if carries_context_fn:  # See Note [Context functions looked up by name].
             kwargs["context_fn"] = getattr(_ContextFns, context_fn_name)
-        elif pipelined and not compat.STREAM_COPIES_CACHEABLE:
-            # Without matepoint's context_fn nothing keeps this graph out of AOTAutograd's
-            # cache, where torch 2.11's transfer-stream copies break (see the Note): copy
-            # synchronously instead.
-            pipelined = False
         annotation = {
             "min_offload_bytes": min_offload_bytes,
-            "pipeline": pipelined,
+            # Without matepoint's context_fn nothing keeps this graph out of AOTAutograd's
+            # cache, where torch 2.11's transfer-stream copies break (see the Note): there it
+            # copies synchronously instead.
+            "pipeline": pipelined and (carries_context_fn or compat.STREAM_COPIES_CACHEABLE),
             "max_inflight_bytes": max_inflight_bytes,
         }
 
@@ -164,28 +153,22 @@ def checkpoint(
 
 
 @compat.run_at_trace_time
-def _resolve(offload: _OffloadChoice, pipeline: bool) -> tuple[str, int, bool, int] | None:
+def _resolve(
+    offload: OffloadOptions | _OffloadChoice, pipeline: bool
+) -> tuple[str, int, bool, int] | None:
     """Resolve a region's choices while Dynamo traces it, with the eager path's ``resolve``.
 
-    Also makes the region's ``context_fn`` (see Note [Context functions looked up by name]).
+    Also makes the region's ``context_fn`` (see Note [Context functions looked up by name]),
+    named after a hash of the choices.
 
     Returns:
         None if the call offloads nothing; else the ``context_fn``'s name on
         :class:`_ContextFns`, the minimum size to move, whether to pipeline, and the forward
         copy window's bound (the device's ``max_inflight_bytes``).
     """
-    call: OffloadOptions | bool | None
     if isinstance(offload, tuple):
-        enabled, call_pipeline, min_offload_bytes, deprecated_settings = offload
-        call = OffloadOptions(
-            enabled=enabled,
-            pipeline=call_pipeline,
-            min_offload_bytes=min_offload_bytes,
-            deprecated_settings=deprecated_settings,
-        )
-    else:
-        call = offload
-    options = resolve(call, pipeline)
+        offload = OffloadOptions(**dict(offload))
+    options = resolve(offload, pipeline)
     if options is None:
         return None
     # The transport decides which devices offload (tests make the CPU one).
@@ -194,12 +177,10 @@ def _resolve(offload: _OffloadChoice, pipeline: bool) -> tuple[str, int, bool, i
         f"pipeline={options.pipelined} max_inflight_bytes={options.max_inflight_bytes} "
         f"transport={type(transport()).__qualname__}"
     )
-    name = _CONTEXT_FN_NAMES.get(key)
-    if name is None:
-        name = f"context_fn_{len(_CONTEXT_FN_NAMES)}"
+    name = f"context_fn_{hashlib.sha256(key.encode()).hexdigest()}"
+    if not hasattr(_ContextFns, name):
         cacheable = compat.STREAM_COPIES_CACHEABLE or not options.pipelined
         setattr(_ContextFns, name, compat.recompute_all_context_fn(key, cacheable=cacheable))
-        _CONTEXT_FN_NAMES[key] = name
     return name, options.min_offload_bytes, options.pipelined, options.max_inflight_bytes
 
 
@@ -211,38 +192,28 @@ def _open_compile_scope() -> None:
 
 def _moves(value: torch.Tensor, min_offload_bytes: int) -> bool:
     """Whether eager matepoint would move this saved input: the pack hook's own rules."""
-    nbytes = compat.nbytes_hint(value)
-    channel_key = transport().channel_key
+    channel_key, nbytes = transport().channel_key, compat.nbytes_hint(value)
     return stay_reason(value, min_offload_bytes, channel_key, traced_nbytes=nbytes) is None
 
 
 def _mark_saved_inputs(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
     """The joint-graph pass: mark what the matepoint regions of this graph read from outside."""
-    del joint_inputs
-    pipelined = True
-    max_inflight_bytes: int | None = None
-    marked = False
+    chosen: list[dict[str, Any]] = []  # the regions whose inputs move
+    on_cpu = False  # a CPU "device" (the test transport) has no streams to overlap on
     for node, value, regions in compat.region_inputs(graph):
         wanted = [region for region in regions if _moves(value, region["min_offload_bytes"])]
         if not wanted:
             continue
+        compat.mark_for_offload(node)
         smallest = min(region["min_offload_bytes"] for region in wanted)
-        for marked_node, marked_value in [(node, value), *compat.producers_outside_regions(node)]:
-            if marked_node is node or _moves(marked_value, smallest):
-                compat.mark_for_offload(marked_node)
-        marked = True
-        bounds = [region["max_inflight_bytes"] for region in wanted]
-        if max_inflight_bytes is not None:
-            bounds.append(max_inflight_bytes)
-        max_inflight_bytes = min(bounds)
-        # A CPU "device" (the test transport) has no streams to overlap on.
-        pipelined = (
-            pipelined
-            and all(region["pipeline"] for region in wanted)
-            and value.device.type != "cpu"
-        )
-    if marked:
+        for producer, produced in compat.producers_outside_regions(node):
+            if _moves(produced, smallest):
+                compat.mark_for_offload(producer)
+        chosen += wanted
+        on_cpu = on_cpu or value.device.type == "cpu"
+    if chosen:
         compat.compiled_offload_config(
-            pipelined=pipelined, max_inflight_bytes=max_inflight_bytes or 0
+            pipelined=not on_cpu and all(region["pipeline"] for region in chosen),
+            max_inflight_bytes=min(region["max_inflight_bytes"] for region in chosen),
         )
     return graph

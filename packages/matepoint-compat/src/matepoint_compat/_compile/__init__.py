@@ -12,45 +12,26 @@ says why and what carries over). The modules:
 - ``_regions``: a region's annotation and ``context_fn``; in the joint graph, the values the
   regions read from outside and their marks for offloading.
 - ``_scope``: the AOTAutograd settings of a matepoint compile, set for that compile only
-  (Note [Compile settings are scoped]).
-- ``_partition``: what happens to a marked graph after torch's offloading put its copies in it:
-  ``_inductor_order`` (Note [Inductor's peak-memory reorder]), ``_forward_window`` (Note [The
-  forward copy window]) and ``_traffic`` (Note [Counting compiled copies]).
+  (Note [Compile settings are scoped]), and what happens to a marked graph after torch's
+  offloading put its copies in it: ``_inductor_order`` (Note [Inductor's peak-memory reorder]),
+  ``_forward_window`` (Note [The forward copy window]) and ``_traffic`` (Note [Counting compiled
+  copies]).
 
 All of it is checked on torch 2.11, 2.12 and 2.13; on older releases matepoint keeps its eager
 path under compile (a graph break per checkpoint).
 """
 
+# Each submodule's __all__ lists what it offers the package; the list below is what the package
+# offers matepoint_compat.
+# ruff: noqa: F403, F405
 import torch
 
-from matepoint_compat._compile._forward_window import (
-    FORWARD_WINDOW_COUNTS,
-    ForwardWindowCounts,
-    bound_forward_waits,
-)
-from matepoint_compat._compile._inductor_order import INDUCTOR_ORDER_COUNTS, InductorOrderCounts
-from matepoint_compat._compile._partition import set_forward_window
-from matepoint_compat._compile._regions import (
-    annotate_offload,
-    forward_nodes,
-    mark_for_offload,
-    nbytes_hint,
-    offloaded_nodes,
-    producers_outside_regions,
-    recompute_all_context_fn,
-    region_inputs,
-)
-from matepoint_compat._compile._scope import (
-    close_compile_scope,
-    compiled_offload_config,
-    open_compile_scope,
-)
-from matepoint_compat._compile._torch_names import (
-    COMPILED_OFFLOAD,
-    STREAM_COPIES_CACHEABLE,
-    run_at_trace_time,
-)
-from matepoint_compat._compile._traffic import COMPILED_TRAFFIC, CompiledTrafficCounts
+from matepoint_compat._compile._forward_window import *
+from matepoint_compat._compile._inductor_order import *
+from matepoint_compat._compile._regions import *
+from matepoint_compat._compile._scope import *
+from matepoint_compat._compile._torch_names import *
+from matepoint_compat._compile._traffic import *
 
 __all__ = [
     "COMPILED_OFFLOAD",

@@ -42,7 +42,7 @@ Note [The forward copy window]
 
     Where: torch's partitioner calls ``enable_activation_offloading`` (looked up in its module at
     each call) right after matepoint's joint-graph pass has marked the values; the wrapper
-    installed by ``matepoint_compat._compile._partition`` runs it, then moves the waits of that
+    installed by ``matepoint_compat._compile._scope`` runs it, then moves the waits of that
     one forward graph when matepoint asked for a window while marking it. A graph whose copies
     do not have the shape expected of the installed torch keeps torch's placement (correct,
     only slower), with a warning.
@@ -68,12 +68,7 @@ from matepoint_compat._compile._torch_names import (
     STREAM_COPY_PATTERN,
 )
 
-__all__ = [
-    "COPIES_IN_FLIGHT",
-    "FORWARD_WINDOW_COUNTS",
-    "ForwardWindowCounts",
-    "bound_forward_waits",
-]
+__all__ = ["FORWARD_WINDOW_COUNTS", "ForwardWindowCounts", "bound_forward_waits"]
 
 
 @dataclass
@@ -106,7 +101,8 @@ def _copied(copy: torch.fx.Node) -> tuple[torch.fx.Node, int]:
 
 
 def find_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
-    """The copies in a forward graph's nodes, in either torch layout (raises if unexpected).
+    """The copies in a forward graph's nodes, in either torch layout, in the order they start
+    (raises if unexpected).
 
     torch 2.12+: ``ao::offload(value)`` then ``ao::wait_tensor(offload, value)``. torch 2.11:
     the copy sits at index 4 of ``STREAM_COPY_PATTERN``, the value's ``record_stream`` at 3, and
@@ -114,11 +110,11 @@ def find_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
     """
     copies = []
     for index, node in enumerate(nodes):
-        offload = node.args[0] if _op_name(node) == ASYNC_WAIT_OP else None
-        if isinstance(offload, torch.fx.Node) and _op_name(offload) == ASYNC_OFFLOAD_OP:
-            copies.append(_Copy(offload, node, *_copied(offload)))
-            if node.args[1:2] != (copies[-1].value,):
-                raise UnexpectedShape(f"{node.name} does not keep its copied value alive")
+        if _op_name(node) == ASYNC_OFFLOAD_OP:
+            wait = next(iter(node.users), node)  # its one user
+            if _op_name(wait) != ASYNC_WAIT_OP or wait.args[1:2] != node.args[:1]:
+                raise UnexpectedShape(f"{node.name} has no wait that keeps its value alive")
+            copies.append(_Copy(node, wait, *_copied(node)))
         elif _op_name(node) == "prims::device_put" and node.name.startswith(OFFLOAD_PREFIX):
             group = nodes[max(index - 4, 0) : index + 4]
             if tuple(map(_op_name, group)) != STREAM_COPY_PATTERN:
@@ -178,8 +174,6 @@ def bound_forward_waits(
             copy.start.prepend(copy.record_stream)
     if max_inflight_bytes <= 0 or copies_in_flight <= 0:
         return 0
-    order = {node: index for index, node in enumerate(nodes)}
-    copies.sort(key=lambda copy: order[copy.start])
     pending: list[_Copy] = []  # oldest first
     for copy in copies:
         while pending and (

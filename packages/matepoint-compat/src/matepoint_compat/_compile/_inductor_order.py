@@ -39,11 +39,7 @@ from typing import Any
 
 import torch
 
-from matepoint_compat._compile._torch_names import (
-    INDUCTOR_GRAPH_ENTRY,
-    inductor_order_kept,
-    wrap_once,
-)
+from matepoint_compat._compile import _torch_names
 
 __all__ = ["INDUCTOR_ORDER_COUNTS", "InductorOrderCounts", "keep_order"]
 
@@ -76,7 +72,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         if not any(_MARK in node.meta for node in nodes):
             return original(graph_module, *args, **kwargs)
         INDUCTOR_ORDER_COUNTS.compiled += 1
-        with inductor_order_kept():
+        with _torch_names.inductor_order_kept():
             return original(graph_module, *args, **kwargs)
 
     return compile_graph
@@ -94,7 +90,7 @@ def keep_order(*graph_modules: torch.fx.GraphModule) -> None:
         graph_modules: The forward and backward graphs of a matepoint-marked compile, as the
             partitioner hands them to torch's activation offloading.
     """
-    wrap_once(INDUCTOR_GRAPH_ENTRY, _wrap)
+    _torch_names.wrap_once(_torch_names.INDUCTOR_GRAPH_ENTRY, _wrap)
     INDUCTOR_ORDER_COUNTS.marked += len(graph_modules)
     for graph_module in graph_modules:
         for node in graph_module.graph.nodes:

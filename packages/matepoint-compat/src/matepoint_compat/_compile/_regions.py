@@ -16,13 +16,7 @@ from typing import Any, cast
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from matepoint_compat._compile._torch_names import (
-    ANNOTATION_META,
-    OFFLOAD_PREFIX,
-    REGION_META,
-    SHOULD_OFFLOAD_META,
-    size_hint,
-)
+from matepoint_compat._compile import _torch_names
 
 __all__ = [
     "annotate_offload",
@@ -117,13 +111,14 @@ def region_inputs(
         value = node.meta.get("val")
         if node.op != "call_function" or node not in forward or not isinstance(value, torch.Tensor):
             continue
-        region = node.meta.get(REGION_META)  # a user lacking one is in no region: left out
+        # A user outside every region has none: it is left out.
+        region = node.meta.get(_torch_names.REGION_META)
         annotations = [
-            user.meta[ANNOTATION_META][_ANNOTATION_KEY]
+            user.meta[_torch_names.ANNOTATION_META][_ANNOTATION_KEY]
             for user in node.users
             if user in forward
-            and user.meta.get(REGION_META, region) != region
-            and _ANNOTATION_KEY in user.meta.get(ANNOTATION_META, {})
+            and user.meta.get(_torch_names.REGION_META, region) != region
+            and _ANNOTATION_KEY in user.meta.get(_torch_names.ANNOTATION_META, {})
         ]
         if annotations:
             yield node, value, annotations
@@ -136,7 +131,7 @@ def nbytes_hint(value: torch.Tensor) -> int:
     the graph).
     """
     nbytes: Any = value.numel() * value.element_size()  # a SymInt with dynamic shapes
-    return nbytes if isinstance(nbytes, int) else size_hint(nbytes)
+    return nbytes if isinstance(nbytes, int) else _torch_names.size_hint(nbytes)
 
 
 def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.Tensor]]:
@@ -148,7 +143,7 @@ def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.No
     outside the regions: a region node it reaches is yielded but not walked through, and graph
     inputs (parameters, the model's inputs) are not yielded.
     """
-    pending = [] if REGION_META in node.meta else list(node.all_input_nodes)
+    pending = [] if _torch_names.REGION_META in node.meta else list(node.all_input_nodes)
     seen: set[torch.fx.Node] = set()
     while pending:
         current = pending.pop()
@@ -158,13 +153,13 @@ def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.No
         value = current.meta.get("val")
         if isinstance(value, torch.Tensor):
             yield current, value
-        if REGION_META not in current.meta:
+        if _torch_names.REGION_META not in current.meta:
             pending.extend(current.all_input_nodes)
 
 
 def mark_for_offload(node: torch.fx.Node) -> None:
     """Ask the partitioner's activation offloading to move this value if it is saved."""
-    node.meta[SHOULD_OFFLOAD_META] = True
+    node.meta[_torch_names.SHOULD_OFFLOAD_META] = True
 
 
 def copies_named(graph: torch.fx.Graph, prefix: str) -> list[torch.fx.Node]:
@@ -181,4 +176,4 @@ def offloaded_nodes(graph: torch.fx.GraphModule) -> list[str]:
     The partitioner names the host copy of value ``v`` ``cpu_offload_v``: the ``device_put`` of
     the synchronous path, the ``ao.wait_tensor`` of the asynchronous one.
     """
-    return [node.name for node in copies_named(graph.graph, OFFLOAD_PREFIX)]
+    return [node.name for node in copies_named(graph.graph, _torch_names.OFFLOAD_PREFIX)]

@@ -1,4 +1,5 @@
-"""The torch settings a matepoint compile needs, set for that compile only.
+"""The torch settings a matepoint compile needs, set for that compile only, and what matepoint
+does to its graphs right after torch's offloading put the copies in them.
 
 Note [Compile settings are scoped]
     torch's compiled offloading is driven by process-wide settings of AOTAutograd
@@ -15,35 +16,38 @@ Note [Compile settings are scoped]
     act only on graphs matepoint marked (``enable_activation_offloading``, inductor's
     ``_compile_fx_inner``), the count op's registration, and on torch 2.11 the mend of
     ``streams::record_stream`` (:func:`mend_stream_ops`).
+
+After the copies: torch's partitioner calls ``enable_activation_offloading`` (looked up in its
+module at each call) right after the joint-graph pass; a wrapper installed once per process runs
+it, then, for a graph matepoint's pass marked (and only for that one: the request is taken and
+cleared, :func:`set_forward_window`), has inductor keep the graphs' order (Note [Inductor's
+peak-memory reorder]), bounds the forward waits (Note [The forward copy window]) and puts in the
+count ops (Note [Counting compiled copies]). The wrapper changes nothing for other graphs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from matepoint_compat._compile._partition import set_forward_window
-from matepoint_compat._compile._torch_names import (
-    COMPILE_SETTINGS,
-    COMPILED_OFFLOAD,
-    JOINT_PASS_SETTING,
-    OFFLOAD_SETTING,
-    RELOAD_PREFETCH_SETTING,
-    SEPARATE_STREAM_SETTING,
-    SINK_WAIT_SETTING,
-    functorch_config,
-    mend_record_stream,
-    on_compile_end,
-)
-from matepoint_compat._compile._traffic import count_op
+from matepoint_compat._compile import _forward_window, _torch_names
+from matepoint_compat._compile._forward_window import FORWARD_WINDOW_COUNTS, find_copies
+from matepoint_compat._compile._inductor_order import keep_order
+from matepoint_compat._compile._traffic import count_graph_copies, count_op
 from matepoint_compat._version import TORCH_2_12_PLUS
 
-__all__ = ["close_compile_scope", "compiled_offload_config", "open_compile_scope"]
+__all__ = [
+    "close_compile_scope",
+    "compiled_offload_config",
+    "open_compile_scope",
+    "set_forward_window",
+]
 
 _JointPass = Callable[[torch.fx.GraphModule, Any], torch.fx.GraphModule]
 
@@ -57,7 +61,7 @@ class _ChainedJointPass:
     own: _JointPass
 
     def __call__(self, graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
-        if self.previous is not None:
+        if callable(self.previous):  # torch's setting is None when unset
             graph = self.previous(graph, joint_inputs)
         return self.own(graph, joint_inputs)
 
@@ -76,16 +80,15 @@ def open_compile_scope(own: _JointPass) -> None:
     global _open_scope
     if _open_scope is not None:
         return
-    config = functorch_config()
-    previous = getattr(config, JOINT_PASS_SETTING)
+    config = _torch_names.functorch_config()
     # Every setting the compile may change, to be restored as it is now when the scope closes.
-    settings: dict[str, Any] = {name: getattr(config, name) for name in COMPILE_SETTINGS}
-    settings[JOINT_PASS_SETTING] = _ChainedJointPass(previous if callable(previous) else None, own)
-    settings[OFFLOAD_SETTING] = True
+    settings = {name: getattr(config, name) for name in _torch_names.COMPILE_SETTINGS}
+    joint_pass = _ChainedJointPass(settings[_torch_names.JOINT_PASS_SETTING], own)
+    settings |= {_torch_names.JOINT_PASS_SETTING: joint_pass, _torch_names.OFFLOAD_SETTING: True}
     _open_scope = contextlib.ExitStack()
     _open_scope.enter_context(config.patch(settings))
     count_op()  # registered before a cached graph that calls it can be loaded
-    on_compile_end(close_compile_scope)
+    _torch_names.on_compile_end(close_compile_scope)
 
 
 def close_compile_scope(compile_end: object = None) -> None:
@@ -114,8 +117,8 @@ def mend_stream_ops() -> None:
     process; nothing to do from 2.12 on.
     Shim (gate ``TORCH_2_12_PLUS``) can go when 2.12 is the oldest supported torch.
     """
-    if not TORCH_2_12_PLUS and COMPILED_OFFLOAD:
-        mend_record_stream()
+    if not TORCH_2_12_PLUS and _torch_names.COMPILED_OFFLOAD:
+        _torch_names.mend_record_stream()
 
 
 def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> None:
@@ -138,10 +141,69 @@ def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> 
         pipelined: Copy on the transfer stream (else synchronously on the compute stream).
         max_inflight_bytes: With ``pipelined``, the forward copy window's bound in bytes.
     """
-    config = functorch_config()
+    config = _torch_names.functorch_config()
     if pipelined:
         mend_stream_ops()
-    setattr(config, SEPARATE_STREAM_SETTING, pipelined)
-    setattr(config, SINK_WAIT_SETTING, False)
-    setattr(config, RELOAD_PREFETCH_SETTING, pipelined)
+    setattr(config, _torch_names.SEPARATE_STREAM_SETTING, pipelined)
+    setattr(config, _torch_names.SINK_WAIT_SETTING, False)
+    setattr(config, _torch_names.RELOAD_PREFETCH_SETTING, pipelined)
     set_forward_window(max_inflight_bytes if pipelined else None)
+
+
+class _Pending(threading.local):
+    """What matepoint asked for the forward graph being partitioned now, if anything.
+
+    Per thread: a graph's joint pass and its partitioner run in the thread that compiles it.
+    """
+
+    max_inflight_bytes: int | None = None
+    matepoint_graph: bool = False
+    """Whether matepoint's joint pass marked values of this graph (with or without a window)."""
+
+
+_PENDING = _Pending()
+
+
+def _wrap(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def enable_activation_offloading(
+        fwd_module: torch.fx.GraphModule, *args: Any, **kwargs: Any
+    ) -> None:
+        window, _PENDING.max_inflight_bytes = _PENDING.max_inflight_bytes, None
+        matepoint_graph, _PENDING.matepoint_graph = _PENDING.matepoint_graph, False
+        original(fwd_module, *args, **kwargs)
+        if not matepoint_graph:
+            return
+        backward = args[0] if args else kwargs.get("bwd_module")
+        keep_order(fwd_module, *([backward] if backward is not None else []))
+        if window is not None:
+            FORWARD_WINDOW_COUNTS.graphs += 1
+            with contextlib.suppress(_forward_window.UnexpectedShape):  # warned of below
+                FORWARD_WINDOW_COUNTS.copies += len(find_copies(list(fwd_module.graph.nodes)))
+            # Looked up at each call: tests wrap it.
+            FORWARD_WINDOW_COUNTS.waits_moved += _forward_window.bound_forward_waits(
+                fwd_module.graph, window
+            )
+            fwd_module.graph.lint()
+            fwd_module.recompile()
+        count_graph_copies(fwd_module, backward)
+
+    return enable_activation_offloading
+
+
+def set_forward_window(max_inflight_bytes: int | None) -> None:
+    """Ask for matepoint's treatment of the graph whose joint pass is running now.
+
+    Called from matepoint's joint-graph pass, which runs right before the partitioner of the same
+    graph calls torch's ``enable_activation_offloading``; that call (wrapped here, once per
+    process) takes the request and clears it, so it never reaches another graph. Every marked
+    graph gets inductor's order kept and the count ops; the window only where asked.
+
+    Args:
+        max_inflight_bytes: The forward copy window's bound (``0``: torch's placement, with
+            2.11's copies made safe), or ``None`` to leave torch's placement as it is
+            (synchronous copies).
+    """
+    _torch_names.wrap_once(_torch_names.OFFLOADING_ENTRY, _wrap)
+    _PENDING.max_inflight_bytes = max_inflight_bytes
+    _PENDING.matepoint_graph = True
