@@ -128,10 +128,13 @@ def nbytes_hint(value: torch.Tensor) -> int:
     """Bytes of a traced value; with dynamic shapes, those of the example it was traced with.
 
     A symbolic size's example is read without adding a guard (a size test must not specialize
-    the graph).
+    the graph), with ``torch.fx.experimental.symbolic_shapes.optimization_hint``, which older
+    releases lack (imported here: only the compiled path, torch 2.11+, calls this).
     """
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
     nbytes: Any = value.numel() * value.element_size()  # a SymInt with dynamic shapes
-    return nbytes if isinstance(nbytes, int) else _torch_names.size_hint(nbytes)
+    return nbytes if isinstance(nbytes, int) else int(optimization_hint(nbytes, fallback=1 << 62))
 
 
 def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.Tensor]]:

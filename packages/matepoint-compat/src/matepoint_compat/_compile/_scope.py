@@ -80,7 +80,7 @@ def open_compile_scope(own: _JointPass) -> None:
     global _open_scope
     if _open_scope is not None:
         return
-    config = _torch_names.functorch_config()
+    config = _torch_names.functorch_config
     # Every setting the compile may change, to be restored as it is now when the scope closes.
     settings = {name: getattr(config, name) for name in _torch_names.COMPILE_SETTINGS}
     joint_pass = _ChainedJointPass(settings[_torch_names.JOINT_PASS_SETTING], own)
@@ -141,7 +141,7 @@ def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> 
         pipelined: Copy on the transfer stream (else synchronously on the compute stream).
         max_inflight_bytes: With ``pipelined``, the forward copy window's bound in bytes.
     """
-    config = _torch_names.functorch_config()
+    config = _torch_names.functorch_config
     if pipelined:
         mend_stream_ops()
     setattr(config, _torch_names.SEPARATE_STREAM_SETTING, pipelined)

@@ -19,9 +19,12 @@ import contextlib
 import importlib.util
 import traceback
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, TypeVar, cast
 
 import torch
+import torch._functorch.config
+from torch.fx.node import has_side_effect
 
 from matepoint_compat._version import TORCH_2_11_PLUS, TORCH_2_12_PLUS
 
@@ -42,13 +45,8 @@ RELOAD_PREFETCH_SETTING = "activation_reload_prefetch"
 STREAM_SETTINGS = (SEPARATE_STREAM_SETTING, SINK_WAIT_SETTING, RELOAD_PREFETCH_SETTING)
 COMPILE_SETTINGS = (JOINT_PASS_SETTING, OFFLOAD_SETTING, *STREAM_SETTINGS)
 """Every ``torch._functorch.config`` setting the compiled path sets (within a compile only)."""
-
-
-def functorch_config() -> Any:
-    """``torch._functorch.config`` (AOTAutograd's settings; gate ``COMPILED_OFFLOAD``)."""
-    import torch._functorch.config as config
-
-    return config
+functorch_config: ModuleType = torch._functorch.config
+"""``torch._functorch.config``: AOTAutograd's settings (gate ``COMPILED_OFFLOAD``)."""
 
 
 # -- graph node metadata and names that torch's passes read and write -------------------------
@@ -80,21 +78,16 @@ STREAM_COPY_PATTERN = (
 Can go when 2.12 is the oldest supported torch (gate ``TORCH_2_12_PLUS``)."""
 
 
-def _has_compiled_offload() -> bool:
-    fx_traceback: Any = torch.fx.traceback
-    return (
-        TORCH_2_11_PLUS
-        and hasattr(fx_traceback, "annotate")
-        and all(hasattr(functorch_config(), name) for name in COMPILE_SETTINGS)
-        and hasattr(torch._dynamo, "assume_constant_result")
-        and all(
-            importlib.util.find_spec(f"torch.{name}") is not None
-            for name in ("_functorch._activation_offloading", "_dynamo.callback")
-        )
+COMPILED_OFFLOAD: bool = (
+    TORCH_2_11_PLUS
+    and hasattr(torch.fx.traceback, "annotate")
+    and all(hasattr(functorch_config, name) for name in COMPILE_SETTINGS)
+    and hasattr(torch._dynamo, "assume_constant_result")
+    and all(
+        importlib.util.find_spec(f"torch.{name}") is not None
+        for name in ("_functorch._activation_offloading", "_dynamo.callback")
     )
-
-
-COMPILED_OFFLOAD: bool = _has_compiled_offload()
+)
 """Whether a whole-model compile can trace matepoint's checkpoint and offload its inputs.
 
 True from torch 2.11 on (the releases the mechanism is checked on) where all of its pieces
@@ -197,22 +190,6 @@ def inductor_order_kept() -> contextlib.AbstractContextManager[None]:
     return cast(contextlib.AbstractContextManager[None], kept)
 
 
-def size_hint(size: Any) -> int:
-    """A symbolic size's example value, without a guard (``optimization_hint`` of
-    ``torch.fx.experimental.symbolic_shapes``; every supported release)."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-    return int(optimization_hint(size, fallback=1 << 62))
-
-
-def mark_side_effect(op: Any) -> None:
-    """``torch.fx.node.has_side_effect``: a graph pass must keep ``op`` though nothing uses its
-    result (every supported release)."""
-    from torch.fx.node import has_side_effect
-
-    has_side_effect(op)
-
-
 def mend_record_stream() -> None:
     """torch 2.11's ``streams::record_stream`` (``torch._dynamo.variables.streams``): register
     the fake implementation (the op returns nothing and changes no tensor metadata) and the side
@@ -222,4 +199,4 @@ def mend_record_stream() -> None:
 
     record_stream: Any = streams.record_stream
     record_stream.register_fake(lambda tensor, stream_index: None)
-    mark_side_effect(torch.ops.streams.record_stream.default)
+    has_side_effect(torch.ops.streams.record_stream.default)

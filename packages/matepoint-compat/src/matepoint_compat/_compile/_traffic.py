@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.fx.node import has_side_effect
 
 from matepoint_compat._compile._regions import copies_named, nbytes_hint
-from matepoint_compat._compile._torch_names import OFFLOAD_PREFIX, RELOAD_PREFIX, mark_side_effect
+from matepoint_compat._compile._torch_names import OFFLOAD_PREFIX, RELOAD_PREFIX
 
 __all__ = ["COMPILED_TRAFFIC", "CompiledTrafficCounts", "count_graph_copies"]
 
@@ -72,7 +73,7 @@ def count_op() -> Any:
 
     count_copies.register_fake(lambda to_host, tensors, nbytes: None)
     op = torch.ops.matepoint_compat.count_copies.default
-    mark_side_effect(op)  # it returns nothing: no pass may drop it
+    has_side_effect(op)  # it returns nothing: no pass may drop it
     return op
 
 
