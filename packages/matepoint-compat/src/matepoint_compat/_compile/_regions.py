@@ -128,13 +128,17 @@ def nbytes_hint(value: torch.Tensor) -> int:
     """Bytes of a traced value; with dynamic shapes, those of the example it was traced with.
 
     A symbolic size's example is read without adding a guard (a size test must not specialize
-    the graph), with ``torch.fx.experimental.symbolic_shapes.optimization_hint``, which older
-    releases lack (imported here: only the compiled path, torch 2.11+, calls this).
+    the graph), with ``optimization_hint`` of ``torch.fx.experimental.symbolic_shapes``, or its
+    older spelling ``hint_int`` where torch lacks it (2.11 does).
     """
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
     nbytes: Any = value.numel() * value.element_size()  # a SymInt with dynamic shapes
-    return nbytes if isinstance(nbytes, int) else int(optimization_hint(nbytes, fallback=1 << 62))
+    if isinstance(nbytes, int):
+        return nbytes
+    from torch.fx.experimental import symbolic_shapes
+
+    names: Any = symbolic_shapes
+    hint = getattr(names, "optimization_hint", None) or names.hint_int
+    return int(hint(nbytes, fallback=1 << 62))
 
 
 def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.Tensor]]:
