@@ -15,7 +15,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
-from matepoint._options import OffloadSettings
+from matepoint._options import ResolvedOptions
 from matepoint._pool import PinnedPool
 from matepoint.testing import CPUTestTransport, use_transport
 
@@ -82,10 +82,10 @@ def test_per_call_cost_offloading(
 def test_pool_reuse(benchmark: Any, nbytes: int) -> None:
     transport = CPUTestTransport(completion="immediate")
     pool = PinnedPool(transport.channel(torch.empty(0)))
-    options = OffloadSettings()
+    options = ResolvedOptions()
 
     def cycle() -> None:
-        pool.give_back(pool.acquire(nbytes, options, on_side_stream=True))
+        pool.give_back(pool.acquire(nbytes, options))
 
     benchmark(cycle)
     assert pool.blocks_allocated == 1

@@ -77,7 +77,7 @@ def _own_pool() -> None:
 
 CopyBackSite = Literal["prefetch", "on_demand"]
 # The engine methods that call Channel.copy_in, by kind of fetch.
-_CALLERS: dict[CopyBackSite, str] = {"prefetch": "_start_prefetch", "on_demand": "restore"}
+_CALLERS: dict[CopyBackSite, str] = {"prefetch": "_start_prefetches", "on_demand": "restore"}
 
 
 class _FlakyChannel(_CPUTestChannel):

@@ -85,7 +85,7 @@ class ChannelEngine:
                     self._shared.append(weakref.ref(shared))
                 return shared
             nbytes = tensor.numel() * tensor.element_size()
-            block = self.pool.acquire(nbytes, options, on_side_stream=options.pipelined)
+            block = self.pool.acquire(nbytes, options)
             self._sequence += 1
             record = Record(self, self._sequence, block, version, options.pipelined, tensor)
             if record.pipelined:
@@ -274,32 +274,25 @@ class ChannelEngine:
         self._start_prefetches(candidates[: options.prefetch])
 
     def _start_prefetches(self, candidates: Iterable[Record]) -> None:
-        """Prefetch each candidate in turn, stopping when device memory is short."""
-        for candidate in candidates:
-            if not self._start_prefetch(candidate):
-                return
+        """Copy each candidate back ahead of need unless it is on the device already.
 
-    def _start_prefetch(self, candidate: Record) -> bool:
-        """Copy ``candidate`` back ahead of need unless it is on the device already.
-
-        Returns False when device memory is short (stop prefetching; fetch on demand).
+        Stops at the first that device memory has no room for: a prefetch is only ahead of
+        need, so that record and the rest are fetched on demand when their unpacks come (which
+        raise if memory is still short).
         """
-        if candidate.modified or candidate.original() is not None:
-            return True
-        if candidate.prefetched is not None or candidate.fetched is not None:
-            return True
-        try:
-            candidate.prefetched = self.channel.copy_in(candidate.host)
-        except torch.cuda.OutOfMemoryError:
-            # A prefetch is only ahead of need: without room for it, the record is fetched on
-            # demand when its unpack comes (which raises if memory is still short).
-            self.counters.prefetches_skipped += 1
-            return False
-        candidate.block.last_event = candidate.prefetched[1]
-        self.counters.prefetches += 1
-        self.counters.fetches += 1
-        self.counters.bytes_fetched += candidate.nbytes
-        return True
+        for candidate in candidates:
+            on_device = candidate.original() is not None or candidate.fetched is not None
+            if candidate.modified or on_device or candidate.prefetched is not None:
+                continue
+            try:
+                candidate.prefetched = self.channel.copy_in(candidate.host)
+            except torch.cuda.OutOfMemoryError:
+                self.counters.prefetches_skipped += 1
+                return
+            candidate.block.last_event = candidate.prefetched[1]
+            self.counters.prefetches += 1
+            self.counters.fetches += 1
+            self.counters.bytes_fetched += candidate.nbytes
 
     # -- housekeeping ----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from matepoint._errors import PinnedMemoryExhausted
-from matepoint._options import OffloadSettings
+from matepoint._options import ResolvedOptions
 from matepoint._stats import OffloadStats
 from matepoint._transport import Channel
 
@@ -57,14 +57,14 @@ class PinnedPool:
         self.pageable_fallbacks = 0
         self.warn_on_fallback = True  # once per pool
 
-    def acquire(self, nbytes: int, options: OffloadSettings, *, on_side_stream: bool) -> HostBlock:
+    def acquire(self, nbytes: int, options: ResolvedOptions) -> HostBlock:
         """Return a host block of exactly ``nbytes``, pinned unless the policy allows otherwise.
 
         Args:
             nbytes: Size of the block.
-            options: The call's options (pool cap and exhaustion policy).
-            on_side_stream: Whether the caller will use the block on the side stream (then it is
-                ordered after the block's previous copy without a wait). See Note [Stream ordering].
+            options: The call's options: pool cap and exhaustion policy, and ``pipelined``
+                (copies on the side stream are ordered after the block's previous copy without a
+                wait; a synchronous copy waits for it). See Note [Stream ordering].
 
         Returns:
             The block; give it back with :meth:`give_back`.
@@ -79,7 +79,7 @@ class PinnedPool:
                 del self._idle[nbytes]
             self.in_use_bytes += nbytes
             self.blocks_reused += 1
-            if not on_side_stream and block.last_event is not None:
+            if not options.pipelined and block.last_event is not None:
                 self._channel.synchronize(block.last_event)
                 block.last_event = None
             return block
@@ -111,7 +111,7 @@ class PinnedPool:
         self.release_idle(max(_IDLE_FLOOR_BYTES, int(_IDLE_FRACTION * self.in_use_bytes)))
         return HostBlock(buffer, pinned=True)
 
-    def _fallback(self, nbytes: int, options: OffloadSettings, failure: str) -> HostBlock:
+    def _fallback(self, nbytes: int, options: ResolvedOptions, failure: str) -> HostBlock:
         if options.on_pool_exhausted == "raise":
             raise PinnedMemoryExhausted(
                 f"matepoint: {failure}. Raise the cap (matepoint.configure(pool_cap_bytes=...)), "

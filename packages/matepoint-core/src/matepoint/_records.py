@@ -17,36 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections import deque
-from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import matepoint_compat as compat
 from matepoint._errors import InplaceModificationError
-from matepoint._options import OffloadSettings
 from matepoint._pool import HostBlock
-from matepoint._stats import Counters
-from matepoint._transport import Channel
 
-__all__ = ["KeptTensor", "Record", "RecordOwner", "inplace_error"]
+if TYPE_CHECKING:  # the engine imports this module
+    from matepoint._engine import ChannelEngine
 
-
-class RecordOwner(Protocol):
-    """What a record's users need of the engine that made it (``matepoint._engine``)."""
-
-    @property
-    def channel(self) -> Channel: ...
-    @property
-    def graveyard(self) -> deque[HostBlock]: ...
-    @property
-    def lock(self) -> AbstractContextManager[Any]: ...
-    @property
-    def counters(self) -> Counters: ...
-
-    def restore(self, record: Record, options: OffloadSettings) -> torch.Tensor:
-        """Return a device tensor with the record's contents."""
+__all__ = ["KeptTensor", "Record", "inplace_error"]
 
 
 def inplace_error(
@@ -119,6 +101,7 @@ class Record(_WeakReferable):
             function read it on), for ordering the release of the device original.
         last_use: Pack sequence of the newest checkpoint that saved it: where backward first
             needs it.
+        nbytes: Bytes of the offloaded tensor (its host block has exactly this size).
         copy_event: Event of the copy to the host (None when synchronous).
         prefetched: A device copy brought back ahead of its unpack and its event, as
             ``Channel.copy_in`` returned them.
@@ -129,7 +112,7 @@ class Record(_WeakReferable):
             fetched in this backward, served to the others so it crosses the link once.
     """
 
-    owner: RecordOwner
+    owner: ChannelEngine
     sequence: int
     block: HostBlock
     version: int
@@ -141,6 +124,7 @@ class Record(_WeakReferable):
     witness: torch.Tensor = dataclasses.field(init=False)
     compute: Any = dataclasses.field(init=False)
     last_use: int = dataclasses.field(init=False)
+    nbytes: int = dataclasses.field(init=False)
     copy_event: Any = None
     prefetched: tuple[torch.Tensor, Any] | None = None
     modified: bool = False
@@ -155,11 +139,7 @@ class Record(_WeakReferable):
         self.witness = compat.version_witness(tensor)
         self.compute = self.owner.channel.current_compute()
         self.last_use = self.sequence
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the offloaded tensor (its host block has exactly this size)."""
-        return self.block.nbytes
+        self.nbytes = self.block.nbytes
 
     def __del__(self) -> None:
         # See Note [Record lifetime]: no locks here.

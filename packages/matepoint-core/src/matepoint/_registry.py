@@ -67,10 +67,9 @@ def set_transport(new_transport: Transport) -> None:
         for key, engine in list(_engines.items()):
             if engine.transport is not new_transport and engine.idle():
                 del _engines[key]
-                with engine.lock:
-                    engine.pool.release_idle()
-                    retired.add(engine.counters)
-                    retired.add(engine.pool.snapshot())  # an idle pool: only its event counts
+                engine.release_pool()
+                retired.add(engine.counters)
+                retired.add(engine.pool.snapshot())  # an idle pool: only its event counts
 
 
 def all_engines() -> list[ChannelEngine]:
@@ -120,14 +119,11 @@ def planning_scope(plan: Planning) -> Iterator[None]:
         _local.planning = previous
 
 
-def engine_of(tensor: torch.Tensor, plan: Planning | None) -> ChannelEngine | None:
-    """Return the engine that offloads ``tensor`` (the plan's, if one runs), or None to keep it."""
-    if plan is not None:
-        return plan.engine if plan.engine.transport.channel_key(tensor) is not None else None
-    active = _transport
+def engine_of(tensor: torch.Tensor, active: Transport) -> ChannelEngine:
+    """Return the engine of ``active``'s channel for ``tensor``, which moves (``stay_reason``)."""
     key = active.channel_key(tensor)
-    engine = None if key is None else _engines.get(key)
-    if key is not None and engine is None:
+    engine = _engines.get(key)
+    if engine is None:
         with _transport_lock:
             if key not in _engines:
                 _engines[key] = ChannelEngine(active.channel(tensor), active)

@@ -123,13 +123,11 @@ def pack(tensor: torch.Tensor, options: ResolvedOptions) -> Record | KeptTensor:
     active = transport() if plan is None else plan.engine.transport
     reason = stay_reason(tensor, options.min_offload_bytes, active.channel_key)
     if reason is None:
-        engine = engine_of(tensor, plan)
-        if engine is not None:
-            record = engine.offload(tensor, options)
-            if plan is not None:
-                plan.saved(tensor, "offloaded" if record.packs == 1 else "shared")
-            return record
-        reason = "other"
+        engine = engine_of(tensor, active) if plan is None else plan.engine
+        record = engine.offload(tensor, options)
+        if plan is not None:
+            plan.saved(tensor, "offloaded" if record.packs == 1 else "shared")
+        return record
     if plan is not None:
         plan.saved(tensor, reason)
     else:
