@@ -52,25 +52,18 @@ _SIMPLE_LEAF_TYPES = (torch.Tensor, *_PLAIN_TYPES)
 _NO_HOOKS = contextlib.nullcontext()
 
 
-# The hooks of the last call: a training loop repeats one set of options (``resolve`` returns
+# The hooks of the last options: a training loop repeats one set of options (``resolve`` returns
 # the same object while nothing changes), so building the hooks is off the per-call path.
-_last_hooks: tuple[ResolvedOptions, saved_tensors_hooks] | None = None
-
-
+@functools.lru_cache(maxsize=1)
 def _hooks_for(options: ResolvedOptions) -> saved_tensors_hooks:
     """Return matepoint's outer saved-tensor hooks for checkpoint calls with these options.
 
     Entering pushes the two hooks and leaving pops them; the object keeps no other state, so one
     instance serves every call (nested and threaded ones too) with the same options.
     """
-    global _last_hooks
-    last = _last_hooks
-    if last is None or last[0] is not options:
-        hooks = saved_tensors_hooks(
-            functools.partial(pack, options=options), functools.partial(unpack, options=options)
-        )
-        last = _last_hooks = (options, hooks)
-    return last[1]
+    return saved_tensors_hooks(
+        functools.partial(pack, options=options), functools.partial(unpack, options=options)
+    )
 
 
 def _needs_flattening(args: tuple[Any, ...], function_kwargs: dict[str, Any]) -> bool:
@@ -95,20 +88,18 @@ def _flattened_call(
     devices = {torch.device("cpu")}
     devices.update(leaf.device for leaf in compat.tree_flatten(args)[0] if torch.is_tensor(leaf))
     leaves, spec = compat.tree_flatten((args, function_kwargs))
-    lifted = {
-        index
-        for index, leaf in enumerate(leaves)
-        if isinstance(leaf, torch.Tensor) and leaf.device in devices
-    }
-    tensors = tuple(leaf for index, leaf in enumerate(leaves) if index in lifted)
+    lifted = [torch.is_tensor(leaf) and leaf.device in devices for leaf in leaves]
+    tensors = tuple(leaf for leaf, lift in zip(leaves, lifted, strict=True) if lift)
     # torch keeps ``run`` until backward: it must not reference the tensors it is given, or
     # their device memory could never be released after the offload. Keyword tensors left in
     # place are held by reference, as torch holds every keyword argument.
-    template = [None if index in lifted else leaf for index, leaf in enumerate(leaves)]
+    template = [None if lift else leaf for leaf, lift in zip(leaves, lifted, strict=True)]
 
     def run(*tensor_args: torch.Tensor) -> Any:
         given = iter(tensor_args)
-        filled = [next(given) if index in lifted else leaf for index, leaf in enumerate(template)]
+        filled = [
+            next(given) if lift else leaf for leaf, lift in zip(template, lifted, strict=True)
+        ]
         call_args, call_kwargs = compat.tree_unflatten(filled, spec)
         return function(*call_args, **call_kwargs)
 
@@ -340,19 +331,17 @@ def checkpoint_sequential(
     )
     if segments < 1:
         raise ValueError(f"checkpoint_sequential() needs segments >= 1, got {segments}")
-
-    def run_segment(start: int, stop: int) -> Callable[[Any], Any]:
-        def forward(value: Any) -> Any:
-            for index in range(start, stop):
-                value = function_list[index](value)
-            return value
-
-        return forward
-
     segment_size = len(function_list) // segments
     last_start = segment_size * (segments - 1)
     for start in range(0, last_start, segment_size):
-        segment = run_segment(start, start + segment_size)
+        segment = functools.partial(_run_in_order, function_list[start : start + segment_size])
         options = {"preserve_rng_state": preserve}
         input = _checkpoint(segment, (input,), options, use_reentrant, pipeline, offload)
-    return run_segment(last_start, len(function_list))(input)
+    return _run_in_order(function_list[last_start:], input)
+
+
+def _run_in_order(functions: list[Callable[[Any], Any]], value: Any) -> Any:
+    """Feed ``value`` through ``functions``, each taking the previous one's output."""
+    for function in functions:
+        value = function(value)
+    return value

@@ -42,14 +42,15 @@ __all__ = [
 PoolExhaustedPolicy = Literal["pageable", "raise"]
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 # What each field's annotation accepts (a string, under ``from __future__ import annotations``),
 # and how an error says it.
 _ACCEPTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "int": (
-        lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-        "an int >= 0",
-    ),
-    "int | None": (lambda value: value is None or _ACCEPTED["int"][0](value), "an int >= 0"),
+    "int": (_is_count, "an int >= 0"),
+    "int | None": (lambda value: value is None or _is_count(value), "an int >= 0"),
     "bool": (lambda value: isinstance(value, bool), "True or False"),
     "bool | None": (lambda value: value is None or isinstance(value, bool), "True, False or None"),
     "PoolExhaustedPolicy": (lambda value: value in ("pageable", "raise"), "'pageable' or 'raise'"),
@@ -209,13 +210,12 @@ class OffloadOptions:
                 "deprecated_settings); valid: enabled, pipeline, min_offload_bytes (device "
                 f"settings go to matepoint.configure: {', '.join(sorted(_DEVICE_FIELDS))})"
             )
-        # The test delay is the transport's now: per call it does nothing (its warning says so).
-        settings = _checked_values(carried, "OffloadOptions")
         self.__dict__.update(
             enabled=enabled,
             pipeline=pipeline,
             min_offload_bytes=min_offload_bytes,
-            deprecated_settings=tuple(sorted(settings.items())),
+            # The test delay is the transport's now: per call it does nothing (its warning says so).
+            deprecated_settings=tuple(sorted(_checked_values(carried, "OffloadOptions").items())),
         )
         _check_fields(self)
         if deprecated:
@@ -417,15 +417,14 @@ def resolve(call: OffloadOptions | bool | None, pipeline: bool = True) -> Resolv
         )
     if call is False or (isinstance(call, OffloadOptions) and not call.enabled):
         return None
-    chosen = None if call is True else call
-    key = (_defaults, chosen, pipeline, legacy_pipeline_disabled())
+    key = (_defaults, call, pipeline, legacy_pipeline_disabled())
     last = _last
     if last is not None and last[0] == key:
         return last[1]
     fields = dataclasses.asdict(_defaults)
-    if chosen is not None:
-        own = {"pipeline": chosen.pipeline, "min_offload_bytes": chosen.min_offload_bytes}
-        fields.update(chosen.deprecated_settings)
+    if isinstance(call, OffloadOptions):
+        fields.update(call.deprecated_settings)
+        own = {"pipeline": call.pipeline, "min_offload_bytes": call.min_offload_bytes}
         fields.update((name, value) for name, value in own.items() if value is not None)
     fields["pipelined"] = pipeline and fields["pipeline"] and not key[3]
     resolved = ResolvedOptions(**fields)
