@@ -52,14 +52,15 @@ def test_offload_values_are_the_two_cpu_ones() -> None:
 
 @needs_offload_values
 def test_other_contexts_are_left_to_torch() -> None:
-    assert compat.offloading_selective_contexts(torch_checkpoint.noop_context_fn(), Entry) is None
+    noop = torch_checkpoint.noop_context_fn()
+    assert compat.offloading_selective_contexts(noop, Entry) is noop
     assert compat.offloading_selective_contexts(None, Entry) is None
 
     caching, cached = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
     subclass = type("Caching", (type(caching),), {})
     custom = subclass.__new__(subclass)
     custom.__dict__.update(vars(caching))
-    assert compat.offloading_selective_contexts((custom, cached), Entry) is None
+    assert compat.offloading_selective_contexts((custom, cached), Entry) == (custom, cached)
 
 
 @needs_offload_values
@@ -74,7 +75,7 @@ def test_offloaded_outputs_are_stored_as_the_callbacks_entries_and_not_recompute
         contexts = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
         original_policy = contexts[0].policy_fn
         wrapped = compat.offloading_selective_contexts(contexts, offload)
-        assert wrapped is not None
+        assert wrapped is not contexts
         assert contexts[0].policy_fn is original_policy  # the user's objects stay untouched
         assert isinstance(wrapped[0], type(contexts[0]))
         return wrapped
@@ -102,7 +103,7 @@ def test_allowed_mutation_keeps_the_output_as_torch_would() -> None:
             _policy, allow_cache_entry_mutation=True
         )
         wrapped = compat.offloading_selective_contexts(contexts, entries.append)
-        assert wrapped is not None
+        assert wrapped is not contexts
         return wrapped
 
     x = torch.randn(8, requires_grad=True)

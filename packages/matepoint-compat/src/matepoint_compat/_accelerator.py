@@ -111,8 +111,7 @@ def allocate_pinned(nbytes: int) -> torch.Tensor:
         return block
     address = block.data_ptr()
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    status = cudart.cudaHostRegister(address, nbytes, 0)
-    code = int(getattr(status, "value", status))
+    code = int(cudart.cudaHostRegister(address, nbytes, 0))  # a pybind11 enum of cudaError_t
     if code != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}")
     # The finalizer hangs on the returned tensor: callers keep it for the block's whole life and
@@ -132,6 +131,5 @@ def storage_use_count(tensor: torch.Tensor) -> int | None:
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:
         return None
-    storage = tensor.untyped_storage()
     # The Python storage object made for the query holds one reference of its own.
-    return int(use_count(storage._cdata)) - 1
+    return int(use_count(tensor.untyped_storage()._cdata)) - 1

@@ -82,7 +82,7 @@ def meta_checkpointing() -> Iterator[None]:
     Before 2.5 checkpoint looks the device's module up as ``getattr(torch, "meta")``, which does
     not exist (pytorch#132684 fixed it in 2.5), and before 2.6 ``torch.random.fork_rng`` does the
     same in the reentrant variant's backward (pytorch#137715). On those releases a stand-in
-    module with no RNG state is installed for the duration of the block. Shim can go when torch
+    module, never initialized, is installed for the duration of the block. Shim can go when torch
     2.6 is the oldest supported release.
 
     Yields:
@@ -91,13 +91,10 @@ def meta_checkpointing() -> Iterator[None]:
     if TORCH_2_6_PLUS or hasattr(torch, "meta"):
         yield
         return
-    # A stand-in ``torch.meta`` with no RNG state, as checkpoint and fork_rng ask of a device.
+    # A stand-in ``torch.meta``, uninitialized: checkpoint then saves no device RNG state, and
+    # fork_rng gets an empty device list, so neither asks the module for anything else.
     module = types.ModuleType("torch.meta")
     module._initialized = False  # type: ignore[attr-defined]
-    module.device_count = lambda: 0  # type: ignore[attr-defined]
-    module.get_rng_state = lambda device=None: torch.empty(0, dtype=torch.uint8)  # type: ignore[attr-defined]
-    module.set_rng_state = lambda state, device=None: None  # type: ignore[attr-defined]
-    module.device = lambda index: contextlib.nullcontext()  # type: ignore[attr-defined]
     torch.meta = module  # type: ignore[attr-defined]
     try:
         yield

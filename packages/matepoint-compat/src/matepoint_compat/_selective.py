@@ -110,11 +110,10 @@ class _OffloadingCachingMode(_CachingMode):  # type: ignore[misc]
     _matepoint_offload: Callable[[torch.Tensor], Any] | None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        pending = self._matepoint_pending
-        pending.offload = False
+        self._matepoint_pending.offload = False
         out = super().__torch_dispatch__(func, types, args, kwargs)
         offload = self._matepoint_offload
-        if not pending.offload or offload is None:
+        if offload is None or not self._matepoint_pending.offload:
             return out
         # The policy wrapper answered "save", so the mode has just stored this op's entry: the
         # list's last item or the dict's last inserted key (Note [Selective checkpointing's
@@ -124,9 +123,8 @@ class _OffloadingCachingMode(_CachingMode):  # type: ignore[misc]
 
         def replace(leaf: Any) -> Any:
             # From 2.14 a wrapper with an unpack hook holds what matepoint's hooks packed already.
-            if type(leaf) is not _VersionWrapper or getattr(leaf, "unpack_hook", None) is not None:
-                return leaf
-            return offload(leaf.val) if isinstance(leaf.val, torch.Tensor) else leaf
+            ours = type(leaf) is _VersionWrapper and getattr(leaf, "unpack_hook", None) is None
+            return offload(leaf.val) if ours and isinstance(leaf.val, torch.Tensor) else leaf
 
         # A dispatch mode's handler runs with the ADInplaceOrView key excluded, where detach()
         # makes an alias with a fresh version counter: matepoint's version witness would then
@@ -137,9 +135,7 @@ class _OffloadingCachingMode(_CachingMode):  # type: ignore[misc]
         return out
 
 
-def offloading_selective_contexts(
-    contexts: Any, offload: Callable[[torch.Tensor], Any]
-) -> tuple[Any, Any] | None:
+def offloading_selective_contexts(contexts: Any, offload: Callable[[torch.Tensor], Any]) -> Any:
     """Make torch's selective-checkpoint pair offload what its policy marks for CPU offload.
 
     See Note [Selective checkpointing's storage]. The forward mode's policy answers "save" for
@@ -157,15 +153,14 @@ def offloading_selective_contexts(
             returns the stored entry.
 
     Returns:
-        The new pair, or None when ``contexts`` is not the exact pair
+        The new pair; ``contexts`` itself when it is not the exact pair
         ``create_selective_checkpoint_contexts`` builds (other context managers, subclasses),
-        or torch's ``CheckpointPolicy`` has no offload values: use ``contexts`` unchanged.
+        or torch's ``CheckpointPolicy`` has no offload values.
     """
-    if not _SAVE_FOR_OFFLOAD or not isinstance(contexts, tuple) or len(contexts) != 2:
-        return None
+    pair = tuple(map(type, contexts)) if isinstance(contexts, tuple) else ()
+    if not _SAVE_FOR_OFFLOAD or pair != (_CachingMode, _CachedMode):
+        return contexts
     forward, recompute = contexts
-    if type(forward) is not _CachingMode or type(recompute) is not _CachedMode:
-        return None
     caching = _OffloadingCachingMode.__new__(_OffloadingCachingMode)
     caching.__dict__.update(vars(forward))
     caching._matepoint_pending = _Pending()

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,49 +25,43 @@ import torch.utils.checkpoint as torch_checkpoint
 import matepoint_compat as compat
 from matepoint._budget_profile import DeviceModel
 
-__all__ = ["cached_model", "calibrate", "default_cache_path"]
+__all__ = ["cached_model", "calibrate"]
 
 
-def default_cache_path() -> Path:
-    """Where calibrations are kept: ``$XDG_CACHE_HOME/matepoint`` or ``~/.cache/matepoint``."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "matepoint" / "device-models.json"
-
-
-def _seconds(device: torch.device, work: Callable[[], object], repeats: int = 5) -> float:
-    """The median time of ``work`` on ``device``'s current stream, timed with device events."""
+def _seconds(device: torch.device, work: Callable[[], object]) -> float:
+    """The median of five timings of ``work`` on ``device``'s current stream (device events)."""
     work()
     times: list[float] = []
-    for _ in range(repeats):
+    for _ in range(5):
         start, end = (compat.new_event(device, enable_timing=True) for _ in range(2))
         start.record()
         work()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[repeats // 2]
+    return statistics.median(times)
 
 
-def _policy_seconds_per_op(ops: int = 200) -> float:
+def _policy_seconds_per_op() -> float:
     """Host time torch's selective-checkpoint mode adds to one small op (forward mode)."""
     if not compat.TORCH_2_5_PLUS:  # no selective checkpointing, nothing to charge
         return 0.0
     x = torch.ones(8, device="cuda")
+    ops = 200
 
     def run(mode: contextlib.AbstractContextManager[Any]) -> float:
         with mode:
             start = time.perf_counter()
-            y = x
             for _ in range(ops):
-                y = y + 1
+                x.add(1)
             return time.perf_counter() - start
 
-    # The fastest of a few runs each; the first plain run also warms up.
+    # The fastest of a few runs each (a fresh forward mode for each); the first plain run also
+    # warms up.
     plain = min(run(contextlib.nullcontext()) for _ in range(6))
     create_contexts: Any = torch_checkpoint.create_selective_checkpoint_contexts
     recompute = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-    forward_modes = (create_contexts(lambda *_, **__: recompute)[0] for _ in range(5))
-    with_policy = min(run(mode) for mode in forward_modes)
+    with_policy = min(run(create_contexts(lambda *_, **__: recompute)[0]) for _ in range(5))
     torch.cuda.synchronize()
     return max(0.0, (with_policy - plain) / ops)
 
@@ -76,8 +71,7 @@ def _measure(device: torch.device) -> DeviceModel:
     with torch.cuda.device(device):
         size = 8192
         a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-        b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-        matmul = _seconds(device, lambda: a @ b)
+        matmul = _seconds(device, lambda: a @ a)
         source = torch.empty(256 << 20, dtype=torch.uint8, device=device)
         target = torch.empty_like(source)
         copy = _seconds(device, lambda: target.copy_(source))
@@ -104,8 +98,8 @@ def calibrate(
 
     Args:
         device: A CUDA device. Default: ``"cuda"`` (the current one).
-        cache: The cache file. Default: :func:`default_cache_path`; it is keyed by device name
-            and torch release.
+        cache: The cache file, keyed by device name and torch release. Default:
+            ``$XDG_CACHE_HOME/matepoint/device-models.json`` (``~/.cache`` without the variable).
         refresh: Measure again even if the cache has this device. Default: ``False``.
 
     Returns:
@@ -122,7 +116,8 @@ def calibrate(
             "one, plans use DeviceModel()'s H200 figures"
         )
     key = f"{torch.cuda.get_device_name(device)} | torch {torch.__version__}"
-    path = cache or default_cache_path()
+    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    path = cache or Path(cache_home) / "matepoint" / "device-models.json"
     return cached_model(path, key, lambda: _measure(device), refresh=refresh)
 
 

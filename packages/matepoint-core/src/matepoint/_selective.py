@@ -82,15 +82,9 @@ def offload_policy_outputs(
             saved = pack(tensor, options)
         if isinstance(saved, Record) and saved.packs == 1:
             # A new record (a shared one has packs > 1): count it as the policy's.
-            engine = saved.owner
-            with engine.lock:
-                engine.counters.policy_offloads += 1
-                engine.counters.bytes_offloaded_by_policy += saved.nbytes
+            with saved.owner.lock:
+                saved.owner.counters.policy_offloads += 1
+                saved.owner.counters.bytes_offloaded_by_policy += saved.nbytes
         return _OffloadedOutput(saved, options)
 
-    def offloading_context_fn() -> Any:
-        contexts = context_fn()
-        offloading = compat.offloading_selective_contexts(contexts, offload)
-        return contexts if offloading is None else offloading
-
-    return offloading_context_fn
+    return lambda: compat.offloading_selective_contexts(context_fn(), offload)
