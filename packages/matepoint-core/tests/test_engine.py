@@ -486,7 +486,7 @@ def test_throttle_counts_only_copies_it_waited_for(
     engine first looks and has finished by the time the throttle looks again, as happens on a
     GPU: the throttle must not wait, nor count a wait.
     """
-    channel = transport._channel
+    channel = transport
     looked: set[int] = set()
     is_complete = channel.is_complete
 
@@ -494,7 +494,7 @@ def test_throttle_counts_only_copies_it_waited_for(
         if id(event) not in looked:
             looked.add(id(event))
             return False
-        channel.side.run_until(event)
+        channel.run_until(event)
         return is_complete(event)
 
     if finishes_late:
@@ -608,5 +608,5 @@ def test_no_growth_over_1000_steps(completion: str, steps: int, fresh_stats: Non
     assert len(engine._by_key) == 0
     assert len(engine._order) <= 16 + 3
     assert len(engine._held) <= 3
-    assert len(test_transport._channel.side.pending) <= 3
+    assert len(test_transport.pending) <= 3
     test_transport.drain()

@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 import matepoint
 from matepoint import _registry
-from matepoint.testing import CPUTestTransport, _CPUTestChannel, use_transport
+from matepoint.testing import CPUTestTransport, use_transport
 
 DEPTH = 4
 ONE = 4 * 16 * 4  # bytes of one (4, 16) float32 block input
@@ -80,24 +80,6 @@ CopyBackSite = Literal["prefetch", "on_demand"]
 _CALLERS: dict[CopyBackSite, str] = {"prefetch": "_start_prefetches", "on_demand": "restore"}
 
 
-class _FlakyChannel(_CPUTestChannel):
-    def __init__(self, owner: FlakyTransport) -> None:
-        super().__init__(owner)
-        self.flaky = owner
-
-    def copy_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        site = self.flaky.fail_next
-        if site is not None and sys._getframe(1).f_code.co_name == _CALLERS[site]:
-            self.flaky.fail_next = None
-            self.flaky.faults += 1
-            # What the caching allocator raises when the copy's device tensor cannot be allocated.
-            raise torch.cuda.OutOfMemoryError(
-                f"CUDA out of memory. Tried to allocate {host.numel() * host.element_size()} "
-                "bytes (simulated: copy back to the device)"
-            )
-        return super().copy_in(host)
-
-
 class FlakyTransport(CPUTestTransport):
     """A CPU test transport whose next copy back from ``fail_next``'s call site raises OOM."""
 
@@ -105,7 +87,18 @@ class FlakyTransport(CPUTestTransport):
         super().__init__(completion=completion)
         self.fail_next: CopyBackSite | None = None
         self.faults = 0
-        self._channel = _FlakyChannel(self)
+
+    def copy_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        site = self.fail_next
+        if site is not None and sys._getframe(1).f_code.co_name == _CALLERS[site]:
+            self.fail_next = None
+            self.faults += 1
+            # What the caching allocator raises when the copy's device tensor cannot be allocated.
+            raise torch.cuda.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {host.numel() * host.element_size()} "
+                "bytes (simulated: copy back to the device)"
+            )
+        return super().copy_in(host)
 
 
 @pytest.fixture(params=["deferred", "on_query", "immediate"])

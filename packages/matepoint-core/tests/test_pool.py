@@ -203,5 +203,5 @@ def test_pipeline_false_copies_synchronously(fast_transport: CPUTestTransport) -
     assert snapshot.offloads == DEPTH
     assert snapshot.prefetches == 0
     assert fast_transport.copies_out == DEPTH
-    assert not fast_transport._channel.side.pending  # nothing was queued on the side stream
+    assert not fast_transport.pending  # nothing was queued on the side stream
     assert_nothing_leaked()

@@ -320,7 +320,7 @@ def _soak(steps: int, check_rss: bool) -> dict[str, int]:
     assert final.pool_in_use_bytes == 0
     # Every shape was seen during warm-up: the pool does not grow after it.
     assert peak_pinned <= max(pinned_at_warmup, 6 * 48 * 32 * 4 * 2)
-    assert len(test_transport._channel.side.pending) == 0
+    assert len(test_transport.pending) == 0
     rss_final = rss_bytes()
     if check_rss and rss_at_warmup:
         assert rss_final - rss_at_warmup < 64 << 20

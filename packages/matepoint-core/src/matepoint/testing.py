@@ -55,29 +55,6 @@ class _FakeEvent:
         self.done = False
 
 
-class _FakeStream:
-    """A FIFO of deferred copies, standing in for the side stream."""
-
-    def __init__(self) -> None:
-        # Copies are only appended (a deque appends safely from any thread) and only popped
-        # under drain_lock, so no other thread pops between a drainer's look and its pop.
-        self.pending: deque[tuple[Callable[[], object], _FakeEvent]] = deque()
-        self.drain_lock = threading.RLock()
-
-    def run_until(self, event: _FakeEvent | None) -> None:
-        """Run queued copies in order until ``event``'s has run (every queued one for None)."""
-        # One thread drains at a time: another thread's run_until may have popped ``event``'s
-        # copy and still be running it. Copies are not autograd operations (a stream copy is
-        # not recorded), whatever the grad mode of the thread that reaches the sync point.
-        with self.drain_lock, torch.no_grad():
-            while self.pending if event is None else not event.done:
-                if not self.pending:
-                    raise AssertionError("event was never queued on this stream")
-                operation, queued = self.pending.popleft()
-                operation()
-                queued.done = True
-
-
 def _poison(tensor: torch.Tensor) -> None:
     """Fill every byte of ``tensor``'s storage with the poison byte, whatever its shape or dtype.
 
@@ -88,105 +65,12 @@ def _poison(tensor: torch.Tensor) -> None:
     torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage).fill_(POISON_BYTE)
 
 
-class _CPUTestChannel:
-    def __init__(self, owner: CPUTestTransport) -> None:
-        self.owner = owner
-        self.side = _FakeStream()
-        # Per source of a queued copy (weak keys: no tensor kept alive), the memory that
-        # release_original keeps for the copies once the source tensor itself is let go.
-        self.kept_memory: MutableMapping[Any, list[torch.Tensor]] = WeakTensorKeyDictionary()
-
-    def allocate_host(self, nbytes: int) -> torch.Tensor:
-        limit = self.owner.pinned_limit_bytes
-        if limit is not None and self.owner.pinned_bytes + nbytes > limit:
-            raise RuntimeError("CUDA error: out of memory (simulated pinned host allocation)")
-        self.owner.pinned_bytes += nbytes
-        block = self.allocate_pageable(nbytes)
-        self.owner.host_buffers.add(block.data_ptr())
-        return block
-
-    def allocate_pageable(self, nbytes: int) -> torch.Tensor:
-        return torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8, device="cpu")
-
-    def current_compute(self) -> Any:
-        return None
-
-    def memory_key(self, tensor: torch.Tensor) -> Hashable:
-        return tensor.data_ptr()
-
-    def copy_out(self, source: torch.Tensor, host: torch.Tensor, compute: Any = None) -> Any:
-        self.owner.copies_out += 1
-        source_ref = weakref.ref(source)
-        snapshot_version = source._version
-        kept = self.kept_memory.setdefault(source, [])
-
-        def run() -> None:
-            # The source itself, or the memory kept for the copy once the source was let go.
-            alive = kept[0] if kept else source_ref()
-            if alive is None:
-                raise CopyReadFreedMemory(
-                    "a copy to the host ran after its device source was released"
-                )
-            if alive._version != snapshot_version:
-                # A real stream would read the modified bytes: poison makes that visible.
-                _poison(host)
-            else:
-                host.copy_(alive)
-
-        return self._queue(run)
-
-    def copy_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        self.owner.copies_in += 1
-        target = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device="cpu")
-        _poison(target)
-        return target, self._queue(lambda: target.copy_(host))
-
-    def _queue(self, operation: Callable[[], object]) -> _FakeEvent:
-        """Queue ``operation`` on the side stream (run at once in ``"immediate"`` mode)."""
-        event = _FakeEvent()
-        self.side.pending.append((operation, event))
-        if self.owner.completion == "immediate":
-            self.side.run_until(event)
-        return event
-
-    def copy_out_now(self, source: torch.Tensor, host: torch.Tensor) -> None:
-        self.owner.copies_out += 1
-        host.copy_(source)
-
-    def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
-        self.owner.copies_in += 1
-        return host.clone()
-
-    def hand_to_compute(self, tensor: torch.Tensor, event: Any, measure: bool) -> Any:
-        self.side.run_until(event)
-        return None
-
-    def release_original(self, tensor: torch.Tensor, compute: Any, copying: bool) -> None:
-        # The CPU stands in with one compute stream, which orders every read already.
-        self.owner.originals_released += 1
-        if copying:
-            # Stands in for record_stream on the side stream: the allocator keeps the memory
-            # until queued copies finish. It keeps the memory only (a detached alias), never the
-            # tensor: the tensor would keep its autograd graph, and the records in it, alive.
-            # One alias per source, however often a source that survives is released.
-            self.kept_memory.get(tensor, [])[:] = [tensor.detach()]
-
-    def is_complete(self, event: Any) -> bool:
-        if not event.done and self.owner.completion == "on_query":
-            self.side.run_until(event)
-        return bool(event.done)
-
-    def synchronize(self, event: Any) -> float:
-        self.side.run_until(event)
-        return 0.0
-
-    def wait_seconds(self, token: Any, block: bool) -> float | None:
-        return 0.0
-
-
 @dataclasses.dataclass(eq=False)
 class CPUTestTransport:
     """Treat CPU tensors as device tensors and defer every copy to an explicit sync point.
+
+    The transport is also its one channel (the CPU stands in for one device), and keeps the
+    FIFO of deferred copies that stands in for the side stream.
 
     Args:
         completion: When deferred copies run. ``"deferred"`` (default): only when the engine
@@ -208,6 +92,7 @@ class CPUTestTransport:
         pinned_bytes: Simulated pinned bytes allocated so far (never decreases).
         originals_released: Device originals the engine let go (each ordered against the
             stream its checkpoint ran on, on a real device).
+        pending: The copies queued on the stand-in side stream and not run yet, oldest first.
     """
 
     completion: Literal["deferred", "on_query", "immediate"] = "deferred"
@@ -221,17 +106,123 @@ class CPUTestTransport:
     def __post_init__(self) -> None:
         if self.completion not in ("deferred", "on_query", "immediate"):
             raise ValueError(f"unknown completion mode {self.completion!r}")
-        self._channel = _CPUTestChannel(self)
+        # Copies are only appended (a deque appends safely from any thread) and only popped
+        # under drain_lock, so no other thread pops between a drainer's look and its pop.
+        self.pending: deque[tuple[Callable[[], object], _FakeEvent]] = deque()
+        self.drain_lock = threading.RLock()
+        # Per source of a queued copy (weak keys: no tensor kept alive), the memory that
+        # release_original keeps for the copies once the source tensor itself is let go.
+        self.kept_memory: MutableMapping[Any, list[torch.Tensor]] = WeakTensorKeyDictionary()
 
     def channel_key(self, tensor: torch.Tensor) -> Hashable | None:
         return ("cpu-test", id(self)) if tensor.device.type == "cpu" else None
 
     def channel(self, tensor: torch.Tensor) -> Channel:
-        return self._channel
+        return self
 
     def drain(self) -> None:
         """Complete every queued copy (what a device synchronize would do)."""
-        self._channel.side.run_until(None)
+        self.run_until(None)
+
+    def run_until(self, event: _FakeEvent | None) -> None:
+        """Run queued copies in order until ``event``'s has run (every queued one for None)."""
+        # One thread drains at a time: another thread's run_until may have popped ``event``'s
+        # copy and still be running it. Copies are not autograd operations (a stream copy is
+        # not recorded), whatever the grad mode of the thread that reaches the sync point.
+        with self.drain_lock, torch.no_grad():
+            while self.pending if event is None else not event.done:
+                if not self.pending:
+                    raise AssertionError("event was never queued on this stream")
+                operation, queued = self.pending.popleft()
+                operation()
+                queued.done = True
+
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        limit = self.pinned_limit_bytes
+        if limit is not None and self.pinned_bytes + nbytes > limit:
+            raise RuntimeError("CUDA error: out of memory (simulated pinned host allocation)")
+        self.pinned_bytes += nbytes
+        block = self.allocate_pageable(nbytes)
+        self.host_buffers.add(block.data_ptr())
+        return block
+
+    def allocate_pageable(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8, device="cpu")
+
+    def current_compute(self) -> Any:
+        return None
+
+    def memory_key(self, tensor: torch.Tensor) -> Hashable:
+        return tensor.data_ptr()
+
+    def copy_out(self, source: torch.Tensor, host: torch.Tensor, compute: Any = None) -> Any:
+        self.copies_out += 1
+        source_ref = weakref.ref(source)
+        snapshot_version = source._version
+        kept = self.kept_memory.setdefault(source, [])
+
+        def run() -> None:
+            # The source itself, or the memory kept for the copy once the source was let go.
+            alive = kept[0] if kept else source_ref()
+            if alive is None:
+                raise CopyReadFreedMemory(
+                    "a copy to the host ran after its device source was released"
+                )
+            if alive._version != snapshot_version:
+                # A real stream would read the modified bytes: poison makes that visible.
+                _poison(host)
+            else:
+                host.copy_(alive)
+
+        return self._queue(run)
+
+    def copy_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        self.copies_in += 1
+        target = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device="cpu")
+        _poison(target)
+        return target, self._queue(lambda: target.copy_(host))
+
+    def _queue(self, operation: Callable[[], object]) -> _FakeEvent:
+        """Queue ``operation`` on the side stream (run at once in ``"immediate"`` mode)."""
+        event = _FakeEvent()
+        self.pending.append((operation, event))
+        if self.completion == "immediate":
+            self.run_until(event)
+        return event
+
+    def copy_out_now(self, source: torch.Tensor, host: torch.Tensor) -> None:
+        self.copies_out += 1
+        host.copy_(source)
+
+    def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
+        self.copies_in += 1
+        return host.clone()
+
+    def hand_to_compute(self, tensor: torch.Tensor, event: Any, measure: bool) -> Any:
+        self.run_until(event)
+        return None
+
+    def release_original(self, tensor: torch.Tensor, compute: Any, copying: bool) -> None:
+        # The CPU stands in with one compute stream, which orders every read already.
+        self.originals_released += 1
+        if copying:
+            # Stands in for record_stream on the side stream: the allocator keeps the memory
+            # until queued copies finish. It keeps the memory only (a detached alias), never the
+            # tensor: the tensor would keep its autograd graph, and the records in it, alive.
+            # One alias per source, however often a source that survives is released.
+            self.kept_memory.get(tensor, [])[:] = [tensor.detach()]
+
+    def is_complete(self, event: Any) -> bool:
+        if not event.done and self.completion == "on_query":
+            self.run_until(event)
+        return bool(event.done)
+
+    def synchronize(self, event: Any) -> float:
+        self.run_until(event)
+        return 0.0
+
+    def wait_seconds(self, token: Any, block: bool) -> float | None:
+        return 0.0
 
 
 @contextlib.contextmanager
