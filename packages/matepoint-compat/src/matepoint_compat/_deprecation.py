@@ -78,14 +78,10 @@ class MatepointDeprecationWarning(FutureWarning):
     def __init__(
         self, message: str, *, since: str = DEFAULT_SINCE, removal: str = DEFAULT_REMOVAL
     ) -> None:
-        super().__init__(message)
+        super().__init__(f"{message} (deprecated in matepoint {since}, to be removed in {removal})")
         self.message = message
         self.since = since
         self.removal = removal
-
-    def __str__(self) -> str:
-        versions = f"deprecated in matepoint {self.since}, to be removed in {self.removal}"
-        return f"{self.message} ({versions})"
 
 
 def warn_deprecated(
@@ -123,13 +119,13 @@ def warn_deprecated(
         '`old` is deprecated; use `new` instead'
     """
     message = f"{name} is deprecated; {replacement}"
+    # +1 skips this helper's own frame, so the caller's stacklevel means what it would for warn().
     if COMPILED_OFFLOAD and torch.compiler.is_compiling():
         # See Note [Deprecation warnings under torch.compile].
         _warn_while_tracing(message, since, removal, stacklevel + 1)
-        return
-    warning = MatepointDeprecationWarning(message, since=since, removal=removal)
-    # +1 skips this helper's own frame, so the caller's stacklevel means what it would for warn().
-    warnings.warn(warning, stacklevel=stacklevel + 1)
+    else:
+        warning = MatepointDeprecationWarning(message, since=since, removal=removal)
+        warnings.warn(warning, stacklevel=stacklevel + 1)
 
 
 # Note [Deprecation warnings under torch.compile]
@@ -255,11 +251,23 @@ def legacy_pipeline_disabled() -> bool:
 
 
 class _LegacyModule(types.ModuleType):
-    """The class of ``matepoint`` and ``matepoint.matepoint``: assigning ``NOPIPELINE`` warns.
+    """The class of ``matepoint`` and ``matepoint.matepoint``: their 0.1.x globals, warning.
 
-    In 0.1.x the code read ``matepoint.matepoint``'s global; 0.2 reads the package's, so an
-    assignment on either module lands there, and ``del`` removes it there.
+    Reading one (PEP 562 covers a module's reading only; here it is the class's ``__getattr__``,
+    which type checkers do not see on the module, so misspelt names still fail there) gives its
+    stand-in. In 0.1.x the code read ``matepoint.matepoint``'s ``NOPIPELINE``; 0.2 reads the
+    package's, so an assignment on either module lands there, and ``del`` removes it there.
     """
+
+    def __getattr__(self, name: str) -> object:
+        if name not in _NAMES:
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        value, replacement = _NAMES[name]
+        # `from matepoint import X` looks X up twice (importlib's hasattr probe, then the
+        # import); warnings skips importlib's frames, so both land on the user's line and
+        # Python's default filter shows one.
+        warn_deprecated(f"`{self.__name__}.{name}`", replacement=replacement)
+        return legacy_pipeline_disabled() if name == "NOPIPELINE" else value
 
     # Note [NOPIPELINE warns at the assignment]
     # PEP 562 covers reading only. The assignment is the line the user has to change, and where
@@ -279,28 +287,6 @@ class _LegacyModule(types.ModuleType):
         return sys.modules[_PACKAGE] if name == "NOPIPELINE" else self
 
 
-def _install(module: types.ModuleType) -> None:
-    """Give ``module`` the 0.1.x globals (PEP 562) and the class that warns at their assignment.
-
-    Type checkers do not see the module ``__getattr__`` set here, which would let any misspelt
-    name through.
-    """
-
-    def module_getattr(name: str) -> object:
-        """A 0.1.x global's stand-in, with a warning (PEP 562)."""
-        if name not in _NAMES:
-            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
-        value, replacement = _NAMES[name]
-        # `from matepoint import X` looks X up twice (importlib's hasattr probe, then the
-        # import); warnings skips importlib's frames, so both land on the user's line and
-        # Python's default filter shows one.
-        warn_deprecated(f"`{module.__name__}.{name}`", replacement=replacement)
-        return legacy_pipeline_disabled() if name == "NOPIPELINE" else value
-
-    module.__getattr__ = module_getattr  # type: ignore[method-assign]
-    module.__class__ = _LegacyModule
-
-
 def install_legacy_globals(package: types.ModuleType, prefetch_now: Callable[[], None]) -> None:
     """Give the ``matepoint`` package its 0.1.x globals, each warning when used.
 
@@ -318,7 +304,7 @@ def install_legacy_globals(package: types.ModuleType, prefetch_now: Callable[[],
         matepoint_pipeline,
         "call `matepoint.prefetch_now()`, or nothing: backward prefetches by itself",
     )
-    _install(package)
+    package.__class__ = _LegacyModule
 
 
 def install_legacy_path(module: types.ModuleType, stacklevel: int) -> None:
@@ -334,7 +320,7 @@ def install_legacy_path(module: types.ModuleType, stacklevel: int) -> None:
         replacement="import from `matepoint` instead (`from matepoint import checkpoint`)",
         stacklevel=stacklevel + 1,
     )
-    _install(module)
+    module.__class__ = _LegacyModule
 
 
 # -- 0.2.0 settings given where they no longer belong ------------------------------------------
