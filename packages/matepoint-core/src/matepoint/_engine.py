@@ -145,10 +145,9 @@ class ChannelEngine:
         copying = event is not None and not self.channel.is_complete(event)
         tensor = record.device_tensor
         assert tensor is not None  # held records keep their original
-        if tensor._version != record.version:
-            # The original changed before we knew its copy had finished: the host copy may hold
-            # either version, so backward must raise as torch would.
-            record.modified = True
+        # Changed before we knew its copy had finished, the host copy may hold either version, so
+        # backward must raise as torch would.
+        record.modified |= tensor._version != record.version
         self.channel.release_original(tensor, record.compute, copying)
         record.device_tensor = None
         if not copying:
@@ -298,11 +297,10 @@ class ChannelEngine:
 
     def _settle_graveyard(self) -> None:
         """Return dead records' host blocks to the pool. See Note [Record lifetime]."""
-        settled = bool(self.graveyard)
+        if self.graveyard:
+            self._shared = [reference for reference in self._shared if reference() is not None]
         while self.graveyard:
             self.pool.give_back(self.graveyard.popleft())
-        if settled:
-            self._shared = [reference for reference in self._shared if reference() is not None]
         if len(self._order) > 2 * len(self._records) + 16:
             self._order = [sequence for sequence in self._order if sequence in self._records]
 

@@ -49,12 +49,8 @@ class PinnedPool:
     def __init__(self, channel: Channel) -> None:
         self._channel = channel
         self._idle: OrderedDict[int, list[HostBlock]] = OrderedDict()
-        self.pinned_bytes = 0
-        self.in_use_bytes = 0
-        self.pageable_bytes = 0
-        self.blocks_allocated = 0
-        self.blocks_reused = 0
-        self.pageable_fallbacks = 0
+        self.pinned_bytes = self.in_use_bytes = self.pageable_bytes = 0
+        self.reset_counters()
         self.warn_on_fallback = True  # once per pool
 
     def acquire(self, nbytes: int, options: ResolvedOptions) -> HostBlock:
