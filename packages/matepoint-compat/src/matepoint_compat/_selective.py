@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,15 +42,12 @@ __all__ = ["SELECTIVE_OFFLOAD_POLICIES", "offloading_selective_contexts"]
 
 # ``CheckpointPolicy`` gained the two offload values in torch 2.11 (pytorch/pytorch#172705);
 # they are looked up rather than gated on the version, so the map is empty before them (and on
-# 2.4, which has no ``CheckpointPolicy``).
-_POLICY_VALUES: Mapping[str, Any] = getattr(
-    getattr(torch_checkpoint, "CheckpointPolicy", None), "__members__", {}
-)
-# Each CPU-offload value of ``CheckpointPolicy``, mapped to the save value of the same strength.
+# 2.4, which has no ``CheckpointPolicy``). Each maps to the save value of the same strength.
+_POLICY: Any = getattr(torch_checkpoint, "CheckpointPolicy", None)
 _SAVE_FOR_OFFLOAD: dict[Any, Any] = {
-    _POLICY_VALUES[offload]: _POLICY_VALUES[save]
-    for offload, save in (("MUST_CPU_OFFLOAD", "MUST_SAVE"), ("PREFER_CPU_OFFLOAD", "PREFER_SAVE"))
-    if offload in _POLICY_VALUES
+    _POLICY[f"{strength}_CPU_OFFLOAD"]: _POLICY[f"{strength}_SAVE"]
+    for strength in ("MUST", "PREFER")
+    if hasattr(_POLICY, f"{strength}_CPU_OFFLOAD")
 }
 
 SELECTIVE_OFFLOAD_POLICIES: frozenset[Any] = frozenset(_SAVE_FOR_OFFLOAD)
@@ -167,8 +164,7 @@ def offloading_selective_contexts(contexts: Any, offload: Callable[[torch.Tensor
     caching.policy_fn = _offload_as_save(forward.policy_fn, caching._matepoint_pending)
     mutable = getattr(recompute, "allow_cache_entry_mutation", False)
     caching._matepoint_offload = None if mutable else offload
-    cached = recompute
-    if getattr(recompute, "policy_fn", None) is not None:
-        cached = copy.copy(recompute)
+    cached = copy.copy(recompute)
+    if getattr(recompute, "policy_fn", None) is not None:  # 2.4-era modes ask the policy again
         cached.policy_fn = _offload_as_save(recompute.policy_fn, None)
     return caching, cached
