@@ -157,8 +157,7 @@ class _CudaChannel:
         self.side_stream = compat.new_stream(device)
         self._compute_done = compat.new_event(device)
 
-    def allocate_host(self, nbytes: int) -> torch.Tensor:
-        return compat.allocate_pinned(nbytes)
+    allocate_host = staticmethod(compat.allocate_pinned)
 
     def allocate_pageable(self, nbytes: int) -> torch.Tensor:
         # Host blocks name their device: a default-device context must not put them on the GPU.
@@ -245,5 +244,4 @@ class CudaTransport:
         return ("cuda", tensor.device.index) if tensor.device.type == "cuda" else None
 
     def channel(self, tensor: torch.Tensor) -> Channel:
-        assert tensor.device.index is not None
         return _CudaChannel(tensor.device)
