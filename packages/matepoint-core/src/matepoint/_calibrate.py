@@ -69,8 +69,7 @@ def _policy_seconds_per_op() -> float:
 def _measure(device: torch.device) -> DeviceModel:
     """Measure matrix rate, memory bandwidth, the link each way and the policy's cost."""
     with torch.cuda.device(device):
-        size = 8192
-        a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
         matmul = _seconds(device, lambda: a @ a)
         source = torch.empty(256 << 20, dtype=torch.uint8, device=device)
         target = torch.empty_like(source)
@@ -79,7 +78,7 @@ def _measure(device: torch.device) -> DeviceModel:
         to_host = _seconds(device, lambda: pinned.copy_(source, non_blocking=True))
         to_device = _seconds(device, lambda: source.copy_(pinned, non_blocking=True))
         return DeviceModel(
-            peak_flops=2 * size**3 / matmul,
+            peak_flops=2 * a.shape[0] ** 3 / matmul,
             memory_bandwidth=2 * source.numel() / copy,
             to_host_bandwidth=source.numel() / to_host,
             to_device_bandwidth=source.numel() / to_device,
