@@ -275,12 +275,12 @@ def test_keyword_tensors_on_devices_no_positional_tensor_is_on_stay_keywords() -
 
     cpu = torch.ones(2)
     meta = torch.ones(2, device="meta")
-    run, lifted = _checkpoint._flattened_call(function, (cpu,), {"extra": meta, "host": cpu * 2})
+    run, lifted, _ = _checkpoint._flattened_call(function, (cpu,), {"extra": meta, "host": cpu * 2})
     assert [tensor.device.type for tensor in lifted] == ["cpu", "cpu"]
     run(*lifted)
     assert calls[-1][1] is meta
 
-    run, lifted = _checkpoint._flattened_call(
+    run, lifted, _ = _checkpoint._flattened_call(
         function, ((meta * 1, cpu),), {"extra": meta, "host": cpu}
     )
     assert [tensor.device.type for tensor in lifted] == ["meta", "cpu", "meta", "cpu"]

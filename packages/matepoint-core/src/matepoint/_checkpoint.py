@@ -66,15 +66,9 @@ def _hooks_for(options: ResolvedOptions) -> saved_tensors_hooks:
     )
 
 
-def _needs_flattening(args: tuple[Any, ...], function_kwargs: dict[str, Any]) -> bool:
-    return any(not isinstance(value, _SIMPLE_LEAF_TYPES) for value in args) or any(
-        not isinstance(value, _PLAIN_TYPES) for value in function_kwargs.values()
-    )
-
-
 def _flattened_call(
     function: Callable[..., Any], args: tuple[Any, ...], function_kwargs: dict[str, Any]
-) -> tuple[Callable[..., Any], tuple[torch.Tensor, ...]]:
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
     """Turn ``function(*args, **kwargs)`` into ``run(*tensors)`` over the tensor leaves.
 
     torch's checkpoint saves only top-level tensor arguments; tensors in tuples, lists, dicts or
@@ -83,7 +77,12 @@ def _flattened_call(
     would recompute from a nested tensor modified in place without noticing.
 
     See Note [Keyword tensors and device RNG state] for which keyword tensors stay keywords.
+    A call with nothing nested (plain values, tensors given positionally) is returned as it is.
     """
+    if all(isinstance(value, _SIMPLE_LEAF_TYPES) for value in args) and all(
+        isinstance(value, _PLAIN_TYPES) for value in function_kwargs.values()
+    ):
+        return function, args, function_kwargs
     # Every positional tensor is on one of these devices, so all of them are lifted.
     devices = {torch.device("cpu")}
     devices.update(leaf.device for leaf in compat.tree_flatten(args)[0] if torch.is_tensor(leaf))
@@ -103,7 +102,7 @@ def _flattened_call(
         call_args, call_kwargs = compat.tree_unflatten(filled, spec)
         return function(*call_args, **call_kwargs)
 
-    return run, tensors
+    return run, tensors, {}
 
 
 # Note [Keyword tensors and device RNG state]
@@ -261,13 +260,12 @@ def _checkpoint(
         and compat.saved_tensors_hooks_enabled()
     ):
         hooks = _hooks_for(options)
-        context_fn = checkpoint_options.get("context_fn", torch_checkpoint.noop_context_fn)
-        if not reentrant and context_fn is not torch_checkpoint.noop_context_fn:
-            # See Note [Offloading what a selective policy saves] (matepoint/_selective.py).
-            checkpoint_options["context_fn"] = offload_policy_outputs(context_fn, options)
-        if not reentrant and _needs_flattening(args, kwargs):
-            function, args = _flattened_call(function, args, kwargs)
-            kwargs = {}
+        if not reentrant:
+            context_fn = checkpoint_options.get("context_fn", torch_checkpoint.noop_context_fn)
+            if context_fn is not torch_checkpoint.noop_context_fn:
+                # See Note [Offloading what a selective policy saves] (matepoint/_selective.py).
+                checkpoint_options["context_fn"] = offload_policy_outputs(context_fn, options)
+            function, args, kwargs = _flattened_call(function, args, kwargs)
     # unwind_failed_checkpoint: on torch < 2.13 a raising function leaves torch's hooks pushed
     # above any context around the call; it pops them first, so such a context pops its own.
     with adapted, hooks, compat.unwind_failed_checkpoint():

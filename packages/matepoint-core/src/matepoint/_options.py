@@ -262,8 +262,8 @@ def _checked_values(fields: dict[str, Any], owner: str) -> dict[str, Any]:
     return settings
 
 
-def _checked(fields: dict[str, Any], owner: str, stacklevel: int) -> dict[str, Any]:
-    """Check ``fields`` as settings and return them without the deprecated test delay.
+def _take_settings(fields: dict[str, Any], owner: str, stacklevel: int) -> dict[str, Any]:
+    """Check ``fields`` as settings, set the deprecated test delay if given, return the rest.
 
     Everything is checked before anything changes; the delay's warning is attributed
     ``stacklevel`` frames up (counted as ``warn_deprecated`` counts).
@@ -276,7 +276,10 @@ def _checked(fields: dict[str, Any], owner: str, stacklevel: int) -> dict[str, A
         )
     if DELAY_SETTING in fields:
         warn_delay_setting(stacklevel)
-    return _checked_values(fields, owner)
+    settings = _checked_values(fields, owner)
+    if DELAY_SETTING in fields:
+        set_side_stream_delay(fields[DELAY_SETTING])
+    return settings
 
 
 def get_options() -> OffloadSettings:
@@ -312,10 +315,8 @@ def configure(**fields: Any) -> OffloadSettings:
         >>> _ = matepoint.configure(prefetch=2)
     """
     global _base
-    settings = _checked(fields, "matepoint.configure", stacklevel=3)
+    settings = _take_settings(fields, "matepoint.configure", stacklevel=3)
     with _lock:
-        if DELAY_SETTING in fields:
-            set_side_stream_delay(fields[DELAY_SETTING])
         _base = dataclasses.replace(_base, **settings)
         for layer in _layers:
             for name in settings:
@@ -350,11 +351,9 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
         ...     loss = matepoint.checkpoint(torch.sin, x).sum()
         >>> loss.backward()
     """
-    layer = _checked(fields, "matepoint.options", stacklevel=4)
     previous_delay = side_stream_delay()
+    layer = _take_settings(fields, "matepoint.options", stacklevel=4)
     with _lock:
-        if DELAY_SETTING in fields:
-            set_side_stream_delay(fields[DELAY_SETTING])
         _layers.append(layer)
         current = _rebuild()
     try:
@@ -364,8 +363,8 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
             # By identity: two blocks may set equal fields.
             _layers[:] = [open_layer for open_layer in _layers if open_layer is not layer]
             _rebuild()
-            if DELAY_SETTING in fields:
-                set_side_stream_delay(previous_delay)
+        if DELAY_SETTING in fields:
+            set_side_stream_delay(previous_delay)
 
 
 def check_misplaced_settings(kwargs: dict[str, Any], function: Callable[..., object]) -> None:
