@@ -26,20 +26,11 @@ __all__ = [
 ]
 
 
-def device_module(device: torch.device) -> Any:
-    """Return the torch module of a device type (``torch.cuda`` for ``cuda``).
-
-    ``torch.get_device_module`` exists on every supported release (2.3+); ``torch.accelerator``
-    (2.6+) does not cover events and stream contexts for all backends, so the per-type module is
-    the one spelling that works from 2.4 to the newest.
-
-    Args:
-        device: A device of an accelerator type.
-
-    Returns:
-        The module (``torch.cuda``, ``torch.xpu``, ...).
-    """
-    return torch.get_device_module(device.type)
+# The torch module of a device type (``torch.cuda`` for ``cuda``), for a device or its name.
+# ``torch.get_device_module`` exists on every supported release (2.3+); ``torch.accelerator``
+# (2.6+) does not cover events and stream contexts for all backends, so the per-type module is
+# the one spelling that works from 2.4 to the newest.
+device_module = torch.get_device_module
 
 
 def new_stream(device: torch.device) -> Any:

@@ -61,8 +61,7 @@ def _poison(tensor: torch.Tensor) -> None:
     Copy destinations own their storage (a fresh tensor, or an exact-size host block), so the
     whole storage is the destination.
     """
-    storage = tensor.untyped_storage()
-    torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage).fill_(POISON_BYTE)
+    tensor.new_empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).fill_(POISON_BYTE)
 
 
 @dataclasses.dataclass(eq=False)
@@ -165,14 +164,11 @@ class CPUTestTransport:
             # The source itself, or the memory kept for the copy once the source was let go.
             alive = kept[0] if kept else source_ref()
             if alive is None:
-                raise CopyReadFreedMemory(
-                    "a copy to the host ran after its device source was released"
-                )
+                raise CopyReadFreedMemory("a host copy ran after its device source was released")
+            host.copy_(alive)
             if alive._version != snapshot_version:
                 # A real stream would read the modified bytes: poison makes that visible.
                 _poison(host)
-            else:
-                host.copy_(alive)
 
         return self._queue(run)
 
