@@ -251,12 +251,13 @@ def legacy_pipeline_disabled() -> bool:
 
 
 class _LegacyModule(types.ModuleType):
-    """The class of ``matepoint`` and ``matepoint.matepoint``: their 0.1.x globals, warning.
+    """The class of ``matepoint`` and ``matepoint.matepoint``: their 0.1.x globals warn when used.
 
-    Reading one (PEP 562 covers a module's reading only; here it is the class's ``__getattr__``,
-    which type checkers do not see on the module, so misspelt names still fail there) gives its
-    stand-in. In 0.1.x the code read ``matepoint.matepoint``'s ``NOPIPELINE``; 0.2 reads the
-    package's, so an assignment on either module lands there, and ``del`` removes it there.
+    Reading one goes through the class's ``__getattr__`` (what a module's own PEP 562
+    ``__getattr__`` would do; type checkers see neither on the module, so a misspelt name still
+    fails there) and gives its stand-in. In 0.1.x the code read ``matepoint.matepoint``'s
+    ``NOPIPELINE``; 0.2 reads the package's, so an assignment on either module lands there, and
+    ``del`` removes it there.
     """
 
     def __getattr__(self, name: str) -> object:
