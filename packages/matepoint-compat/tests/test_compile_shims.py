@@ -71,7 +71,10 @@ def test_a_compile_scope_restores_every_setting_it_set() -> None:
 
     from matepoint_compat._compile._torch_names import COMPILE_SETTINGS
 
+    passes: list[torch.fx.GraphModule] = []
+
     def own(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
+        passes.append(graph)
         return graph
 
     before = {name: getattr(config, name) for name in COMPILE_SETTINGS}
@@ -79,7 +82,9 @@ def test_a_compile_scope_restores_every_setting_it_set() -> None:
     try:
         compat.open_compile_scope(own)  # once per compile
         assert config.enable_activation_offloading is True
-        assert config.joint_custom_pass.own is own
+        graph = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+        assert config.joint_custom_pass(graph, None) is graph
+        assert passes == [graph]
         compat.compiled_offload_config(pipelined=False)
     finally:
         compat.close_compile_scope()

@@ -480,10 +480,13 @@ def test_the_settings_copy_window_reaches_the_partitioner(
 def test_the_copy_window_is_part_of_the_compile_cache_key() -> None:
     from matepoint._compiled import _resolve
 
-    with matepoint.options(max_inflight_bytes=1):
-        first = _resolve(None, True)
-    with matepoint.options(max_inflight_bytes=2):
-        second = _resolve(None, True)
+    try:
+        with matepoint.options(max_inflight_bytes=1):
+            first = _resolve(None, True)
+        with matepoint.options(max_inflight_bytes=2):
+            second = _resolve(None, True)
+    finally:
+        compat.close_compile_scope()  # _resolve opened it, as in a trace
     assert first is not None
     assert second is not None
     assert (first[3], second[3]) == (1, 2)

@@ -129,7 +129,6 @@ def checkpoint(
     if choices is None:
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
     context_fn_name, min_offload_bytes, pipelined, max_inflight_bytes = choices
-    _open_compile_scope()
     reentrant = use_reentrant is not False
     # Raises for keywords the installed torch lacks, as the eager path does.
     with compat.adapt_checkpoint_kwargs(kwargs, use_reentrant=reentrant):
@@ -159,7 +158,8 @@ def _resolve(
     """Resolve a region's choices while Dynamo traces it, with the eager path's ``resolve``.
 
     Also makes the region's ``context_fn`` (see Note [Context functions looked up by name]),
-    named after a hash of the choices.
+    named after a hash of the choices, and, where the region offloads, sets torch's settings
+    for the compile being traced (Note [Compile settings are scoped]).
 
     Returns:
         None if the call offloads nothing; else the ``context_fn``'s name on
@@ -171,6 +171,7 @@ def _resolve(
     options = resolve(offload, pipeline)
     if options is None:
         return None
+    compat.open_compile_scope(_mark_saved_inputs)
     # The transport decides which devices offload (tests make the CPU one).
     key = (
         f"matepoint {compat.__version__} min_offload_bytes={options.min_offload_bytes} "
@@ -182,12 +183,6 @@ def _resolve(
         cacheable = compat.STREAM_COPIES_CACHEABLE or not options.pipelined
         setattr(_ContextFns, name, compat.recompute_all_context_fn(key, cacheable=cacheable))
     return name, options.min_offload_bytes, options.pipelined, options.max_inflight_bytes
-
-
-@compat.run_at_trace_time
-def _open_compile_scope() -> None:
-    """Set torch's settings for the compile being traced (Note [Compile settings are scoped])."""
-    compat.open_compile_scope(_mark_saved_inputs)
 
 
 def _moves(value: torch.Tensor, min_offload_bytes: int) -> bool:

@@ -21,10 +21,11 @@ All of it is checked on torch 2.11, 2.12 and 2.13; on older releases matepoint k
 path under compile (a graph break per checkpoint).
 """
 
-# Each submodule's __all__ lists what it offers the package; the list below is what the package
-# offers matepoint_compat.
+# No __all__ here: what the package offers matepoint_compat is each submodule's __all__ (the
+# star imports re-export exactly those) and compile_tracing; torch's module is imported under a
+# private name so that it is not offered too.
 # ruff: noqa: F403, F405
-import torch
+from torch import compiler as _torch_compiler
 
 from matepoint_compat._compile._forward_window import *
 from matepoint_compat._compile._inductor_order import *
@@ -32,32 +33,6 @@ from matepoint_compat._compile._regions import *
 from matepoint_compat._compile._scope import *
 from matepoint_compat._compile._torch_names import *
 from matepoint_compat._compile._traffic import *
-
-__all__ = [
-    "COMPILED_OFFLOAD",
-    "COMPILED_TRAFFIC",
-    "FORWARD_WINDOW_COUNTS",
-    "INDUCTOR_ORDER_COUNTS",
-    "STREAM_COPIES_CACHEABLE",
-    "CompiledTrafficCounts",
-    "ForwardWindowCounts",
-    "InductorOrderCounts",
-    "annotate_offload",
-    "bound_forward_waits",
-    "close_compile_scope",
-    "compile_tracing",
-    "compiled_offload_config",
-    "forward_nodes",
-    "mark_for_offload",
-    "nbytes_hint",
-    "offloaded_nodes",
-    "open_compile_scope",
-    "producers_outside_regions",
-    "recompute_all_context_fn",
-    "region_inputs",
-    "run_at_trace_time",
-    "set_forward_window",
-]
 
 
 def compile_tracing() -> bool:
@@ -68,4 +43,4 @@ def compile_tracing() -> bool:
     this package, so switching ``matepoint_compat._compile.COMPILED_OFFLOAD`` off switches the
     path off.
     """
-    return COMPILED_OFFLOAD and torch.compiler.is_compiling()
+    return COMPILED_OFFLOAD and _torch_compiler.is_compiling()

@@ -60,13 +60,8 @@ from dataclasses import dataclass
 
 import torch
 
+from matepoint_compat._compile import _torch_names
 from matepoint_compat._compile._regions import nbytes_hint
-from matepoint_compat._compile._torch_names import (
-    ASYNC_OFFLOAD_OP,
-    ASYNC_WAIT_OP,
-    OFFLOAD_PREFIX,
-    STREAM_COPY_PATTERN,
-)
 
 __all__ = ["FORWARD_WINDOW_COUNTS", "ForwardWindowCounts", "bound_forward_waits"]
 
@@ -110,14 +105,15 @@ def find_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
     """
     copies = []
     for index, node in enumerate(nodes):
-        if _op_name(node) == ASYNC_OFFLOAD_OP:
+        name = _op_name(node)
+        if name == _torch_names.ASYNC_OFFLOAD_OP:
             wait = next(iter(node.users), node)  # its one user
-            if _op_name(wait) != ASYNC_WAIT_OP or wait.args[1:2] != node.args[:1]:
+            if _op_name(wait) != _torch_names.ASYNC_WAIT_OP or wait.args[1:2] != node.args[:1]:
                 raise UnexpectedShape(f"{node.name} has no wait that keeps its value alive")
             copies.append(_Copy(node, wait, *_copied(node)))
-        elif _op_name(node) == "prims::device_put" and node.name.startswith(OFFLOAD_PREFIX):
+        elif name == "prims::device_put" and node.name.startswith(_torch_names.OFFLOAD_PREFIX):
             group = nodes[max(index - 4, 0) : index + 4]
-            if tuple(map(_op_name, group)) != STREAM_COPY_PATTERN:
+            if tuple(map(_op_name, group)) != _torch_names.STREAM_COPY_PATTERN:
                 raise UnexpectedShape(f"the stream ops around {node.name} are not torch 2.11's")
             if group[3].args[:1] != node.args[:1]:
                 raise UnexpectedShape(f"{group[3].name} does not name what {node.name} copies")

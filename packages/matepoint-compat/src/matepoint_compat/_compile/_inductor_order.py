@@ -41,7 +41,7 @@ import torch
 
 from matepoint_compat._compile import _torch_names
 
-__all__ = ["INDUCTOR_ORDER_COUNTS", "InductorOrderCounts", "keep_order"]
+__all__ = ["INDUCTOR_ORDER_COUNTS", "InductorOrderCounts"]
 
 _MARK = "matepoint_keep_order"
 

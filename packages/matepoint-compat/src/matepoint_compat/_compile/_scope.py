@@ -15,7 +15,7 @@ Note [Compile settings are scoped]
     What stays for the rest of the process, by design: the two wrappers of torch functions that
     act only on graphs matepoint marked (``enable_activation_offloading``, inductor's
     ``_compile_fx_inner``), the count op's registration, and on torch 2.11 the mend of
-    ``streams::record_stream`` (:func:`mend_stream_ops`).
+    ``streams::record_stream`` (``_torch_names.mend_record_stream``).
 
 After the copies: torch's partitioner calls ``enable_activation_offloading`` (looked up in its
 module at each call) right after the joint-graph pass; a wrapper installed once per process runs
@@ -31,7 +31,6 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +39,6 @@ from matepoint_compat._compile import _forward_window, _torch_names
 from matepoint_compat._compile._forward_window import FORWARD_WINDOW_COUNTS, find_copies
 from matepoint_compat._compile._inductor_order import keep_order
 from matepoint_compat._compile._traffic import count_graph_copies, count_op
-from matepoint_compat._version import TORCH_2_12_PLUS
 
 __all__ = [
     "close_compile_scope",
@@ -50,20 +48,6 @@ __all__ = [
 ]
 
 _JointPass = Callable[[torch.fx.GraphModule, Any], torch.fx.GraphModule]
-
-
-@dataclass(frozen=True)
-class _ChainedJointPass:
-    """The joint pass set for a compile: the one found in torch's settings first, then
-    matepoint's."""
-
-    previous: _JointPass | None
-    own: _JointPass
-
-    def __call__(self, graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
-        if callable(self.previous):  # torch's setting is None when unset
-            graph = self.previous(graph, joint_inputs)
-        return self.own(graph, joint_inputs)
 
 
 _open_scope: contextlib.ExitStack | None = None
@@ -83,7 +67,14 @@ def open_compile_scope(own: _JointPass) -> None:
     config = _torch_names.functorch_config
     # Every setting the compile may change, to be restored as it is now when the scope closes.
     settings = {name: getattr(config, name) for name in _torch_names.COMPILE_SETTINGS}
-    joint_pass = _ChainedJointPass(settings[_torch_names.JOINT_PASS_SETTING], own)
+    previous = settings[_torch_names.JOINT_PASS_SETTING]
+
+    def joint_pass(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
+        """The one found in torch's settings first (None when unset), then matepoint's."""
+        if callable(previous):
+            graph = previous(graph, joint_inputs)
+        return own(graph, joint_inputs)
+
     settings |= {_torch_names.JOINT_PASS_SETTING: joint_pass, _torch_names.OFFLOAD_SETTING: True}
     _open_scope = contextlib.ExitStack()
     _open_scope.enter_context(config.patch(settings))
@@ -102,25 +93,6 @@ def close_compile_scope(compile_end: object = None) -> None:
         scope.close()
 
 
-@functools.cache
-def mend_stream_ops() -> None:
-    """Make torch 2.11's ``streams::record_stream`` compile, as torch 2.12 does.
-
-    torch 2.11 registers the op ``streams::record_stream(tensor, stream_index)`` (which tells
-    the caching allocator that a tensor is in use on another stream) with a fake implementation
-    of three other parameters, so inductor fails when it meets the op in a graph; and it does not
-    mark the op as having a side effect, so a graph pass may drop it as unused. Its
-    transfer-stream offload inserts the op before every copy, so neither torch's nor
-    matepoint's compiled offload can copy on the transfer stream there. This registers the fake
-    implementation and the side effect torch 2.12 has, for the rest of the process (checked on
-    an H200 with torch 2.11: gradients equal to torch's checkpoint under compile). Once per
-    process; nothing to do from 2.12 on.
-    Shim (gate ``TORCH_2_12_PLUS``) can go when 2.12 is the oldest supported torch.
-    """
-    if not TORCH_2_12_PLUS and _torch_names.COMPILED_OFFLOAD:
-        _torch_names.mend_record_stream()
-
-
 def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> None:
     """Choose how the partitioner moves the marked values, for the graph being compiled.
 
@@ -135,7 +107,7 @@ def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> 
     starting it. Called from matepoint's joint pass, inside the compile's scope (Note [Compile
     settings are scoped]), which restores the settings when the compile ends; they act only on
     marked values. On torch 2.11, choosing the transfer stream first mends its ``record_stream``
-    op (:func:`mend_stream_ops`).
+    op (``_torch_names.mend_record_stream``).
 
     Args:
         pipelined: Copy on the transfer stream (else synchronously on the compute stream).
@@ -143,7 +115,7 @@ def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> 
     """
     config = _torch_names.functorch_config
     if pipelined:
-        mend_stream_ops()
+        _torch_names.mend_record_stream()
     setattr(config, _torch_names.SEPARATE_STREAM_SETTING, pipelined)
     setattr(config, _torch_names.SINK_WAIT_SETTING, False)
     setattr(config, _torch_names.RELOAD_PREFETCH_SETTING, pipelined)
@@ -186,7 +158,9 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
             )
             fwd_module.graph.lint()
             fwd_module.recompile()
-        count_graph_copies(fwd_module, backward)
+        count_graph_copies(fwd_module, to_host=True)
+        if backward is not None:
+            count_graph_copies(backward, to_host=False)
 
     return enable_activation_offloading
 

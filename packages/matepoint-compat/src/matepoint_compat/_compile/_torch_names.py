@@ -16,6 +16,7 @@ Gates (from ``matepoint_compat._version``):
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import traceback
 from collections.abc import Callable
@@ -190,11 +191,24 @@ def inductor_order_kept() -> contextlib.AbstractContextManager[None]:
     return cast(contextlib.AbstractContextManager[None], kept)
 
 
+@functools.cache
 def mend_record_stream() -> None:
-    """torch 2.11's ``streams::record_stream`` (``torch._dynamo.variables.streams``): register
-    the fake implementation (the op returns nothing and changes no tensor metadata) and the side
-    effect torch 2.12 gives it. Once only. Gate ``TORCH_2_12_PLUS``: can go when 2.12 is the
-    oldest supported torch."""
+    """Make torch 2.11's ``streams::record_stream`` compile, as torch 2.12 does.
+
+    torch 2.11 registers the op ``streams::record_stream(tensor, stream_index)`` (which tells
+    the caching allocator that a tensor is in use on another stream; in
+    ``torch._dynamo.variables.streams``) with a fake implementation of three other parameters,
+    so inductor fails when it meets the op in a graph; and it does not mark the op as having a
+    side effect, so a graph pass may drop it as unused. Its transfer-stream offload inserts the
+    op before every copy, so neither torch's nor matepoint's compiled offload can copy on the
+    transfer stream there. This registers the fake implementation (the op returns nothing and
+    changes no tensor metadata) and the side effect torch 2.12 has, for the rest of the process
+    (checked on an H200 with torch 2.11: gradients equal to torch's checkpoint under compile).
+    Once per process; nothing to do from 2.12 on, nor where the compiled path is off.
+    Shim (gate ``TORCH_2_12_PLUS``) can go when 2.12 is the oldest supported torch.
+    """
+    if TORCH_2_12_PLUS or not COMPILED_OFFLOAD:
+        return
     from torch._dynamo.variables import streams
 
     record_stream: Any = streams.record_stream

@@ -26,7 +26,7 @@ from torch.fx.node import has_side_effect
 from matepoint_compat._compile._regions import copies_named, nbytes_hint
 from matepoint_compat._compile._torch_names import OFFLOAD_PREFIX, RELOAD_PREFIX
 
-__all__ = ["COMPILED_TRAFFIC", "CompiledTrafficCounts", "count_graph_copies"]
+__all__ = ["COMPILED_TRAFFIC", "CompiledTrafficCounts"]
 
 
 @dataclass
@@ -77,8 +77,10 @@ def count_op() -> Any:
     return op
 
 
-def _count(graph_module: torch.fx.GraphModule, prefix: str, to_host: bool) -> None:
-    copies = copies_named(graph_module.graph, prefix)
+def count_graph_copies(graph_module: torch.fx.GraphModule, *, to_host: bool) -> None:
+    """Put the count op into a matepoint graph, after torch's copies: those to the host in a
+    forward (``to_host``), those back to the device in a backward."""
+    copies = copies_named(graph_module.graph, OFFLOAD_PREFIX if to_host else RELOAD_PREFIX)
     if not copies:
         return
     values = [node.meta.get("val") for node in copies]
@@ -90,12 +92,3 @@ def _count(graph_module: torch.fx.GraphModule, prefix: str, to_host: bool) -> No
     with graph_module.graph.inserting_before(first):
         graph_module.graph.call_function(count_op(), (to_host, len(copies), nbytes))
     graph_module.recompile()
-
-
-def count_graph_copies(
-    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None
-) -> None:
-    """Put the count ops into a matepoint graph's forward and backward, after torch's copies."""
-    _count(forward, OFFLOAD_PREFIX, to_host=True)
-    if backward is not None:
-        _count(backward, RELOAD_PREFIX, to_host=False)
