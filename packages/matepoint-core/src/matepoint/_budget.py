@@ -39,67 +39,26 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint_compat as compat
-from matepoint._budget_profile import DeviceModel, OpCall, RegionProfiler, op_kind
+from matepoint._budget_profile import (
+    DeviceModel,
+    KindProfile,
+    RegionProfiler,
+    occurrence_class,
+    op_kind,
+)
 from matepoint._options import OffloadSettings
-from matepoint._plan_step import StrategyPlan
+from matepoint._plan_step import Planned, StrategyPlan
 
-__all__ = ["BudgetPlan", "Decision", "KindProfile", "fastest_under", "step_seconds"]
+__all__ = ["BudgetPlan", "Decision", "fastest_under", "step_seconds"]
 
 Decision = Literal["keep", "offload", "recompute"]
 _GIB = float(1 << 30)
-
-# What runs one planned step: (context_fn for every checkpoint call, settings) -> StrategyPlan.
-StepRunner = Callable[[Callable[[], Any] | None, OffloadSettings], StrategyPlan]
-
-
-@dataclasses.dataclass(frozen=True)
-class KindProfile:
-    """One kind of op across the checkpointed regions of a step.
-
-    Attributes:
-        kind: Its name (Note [Op kinds]).
-        calls: How many times it runs in one forward.
-        output_bytes: Bytes its outputs hold over the whole step.
-        flops: FLOPs of its forward calls (what recomputing them costs).
-    """
-
-    kind: str
-    calls: int
-    output_bytes: int
-    flops: int
-
-    @property
-    def flops_per_byte(self) -> float:
-        """Recompute FLOPs saved per byte kept: the ranking of Note [The budget search]."""
-        return self.flops / max(self.output_bytes, 1)
-
-
-def _occurrence_class(kind: str, occurrence: int) -> str:
-    """The class of the ``occurrence``-th op of ``kind`` in a region (Note [Op kinds])."""
-    return f"{kind} #{occurrence}"
-
-
-def _kinds(calls: list[OpCall]) -> list[KindProfile]:
-    # Note [Op kinds]: a kind seen twice in one region is decided per occurrence.
-    repeated = {call.kind for call in calls if call.occurrence > 1}
-    totals: dict[str, list[int]] = {}
-    for call in calls:
-        if call.kind == "other" or not call.output_bytes:
-            continue
-        repeats = call.kind in repeated
-        name = _occurrence_class(call.kind, call.occurrence) if repeats else call.kind
-        entry = totals.setdefault(name, [0, 0, 0])
-        entry[0] += 1
-        entry[1] += call.output_bytes
-        entry[2] += call.flops
-    kinds = [KindProfile(kind, *values) for kind, values in totals.items()]
-    return sorted(kinds, key=lambda kind: kind.flops_per_byte, reverse=True)
 
 
 def step_seconds(
@@ -146,7 +105,7 @@ def _policy(chosen: dict[str, Decision]) -> Callable[..., Any]:
         kind = op_kind(func, args)
         key = (bool(ctx.is_recompute), kind)
         seen[key] += 1
-        decision = chosen.get(_occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))
+        decision = chosen.get(occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))
         return _POLICY_VALUES[decision]
 
     return policy
@@ -220,8 +179,8 @@ class BudgetPlan:
             (the pool's exact-size blocks, so no rounding beyond what the pool holds).
         step_seconds: The chosen step's estimated time.
         every_block_seconds: The estimated time of matepoint on every block, nothing kept.
-        smallest_budget_bytes: The least peak among the steps tried: the budget that would fit
-            when nothing did.
+        smallest_budget_bytes: The least peak among the steps tried (the last, on-device try
+            aside): the budget that would fit when nothing did.
         kinds: The kinds of op ranked, best first.
         strategy_plan: The chosen step's full plan (a :class:`matepoint.StrategyPlan`).
     """
@@ -300,24 +259,32 @@ class BudgetPlan:
 _REGION_TRIES = 2
 
 
+class _Trial(NamedTuple):
+    """One planned candidate: its step, its settings and its estimated time."""
+
+    plan: StrategyPlan
+    settings: OffloadSettings
+    seconds: float
+
+
 def fastest_under(
-    run: StepRunner,
+    replan: Callable[..., Planned],
     settings: OffloadSettings,
     budget_bytes: int,
-    *,
-    host_budget_bytes: int | None = None,
-    ranks_per_node: int = 1,
-    device: DeviceModel | None = None,
+    host_budget_bytes: int | None,
+    ranks_per_node: int,
+    device: DeviceModel,
 ) -> BudgetPlan:
     """Search keep / offload / recompute per kind of op; see Note [The budget search].
 
     Args:
-        run: Plans one step with a ``context_fn`` on every checkpoint call and given settings.
+        replan: Plans the matepoint step with other settings (and a ``context_fn=`` on every
+            checkpoint call).
         settings: The settings to start from (the look-ahead is lowered if that helps fit).
         budget_bytes: Device memory the step may use.
         host_budget_bytes: Pinned host RAM one node may use, or None for no limit.
         ranks_per_node: Ranks sharing a node's host RAM.
-        device: The time model's device. Default: :class:`DeviceModel`'s H200 figures.
+        device: The time model's device.
 
     Returns:
         The plan.
@@ -327,114 +294,107 @@ def fastest_under(
             "a budget plan chooses through torch's selective checkpointing, which torch "
             f"{torch.__version__} lacks: it needs torch 2.5 or newer"
         )
-    device = device if device is not None else DeviceModel()
     if ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
 
-    def fits(strategy_plan: StrategyPlan) -> bool:
-        host = strategy_plan.pinned_bytes * ranks_per_node
-        return strategy_plan.peak_bytes <= budget_bytes and (
+    def fits(trial: _Trial) -> bool:
+        host = trial.plan.pinned_bytes * ranks_per_node
+        return trial.plan.peak_bytes <= budget_bytes and (
             host_budget_bytes is None or host <= host_budget_bytes
         )
 
     profiler = RegionProfiler()
-    baseline = run(profiler, settings)
-    kinds = _kinds(profiler.calls)
+    profiled = replan(settings, context_fn=profiler)[0]
+    baseline = _Trial(profiled, settings, step_seconds(profiled, device, settings.prefetch))
+    smallest, regions = baseline.plan.peak_bytes, max(profiler.regions, 1)
+    kinds = profiler.kinds()
     # Every op of the regions meets the policy twice: in forward and in the recomputation.
-    policy_ops = 2 * len(profiler.calls)
-    every_block = step_seconds(baseline, device, settings.prefetch)
-    smallest = baseline.peak_bytes
-    best = (baseline, settings, every_block)
-    decisions: dict[str, Decision] = {}
-    if not fits(baseline) and settings.prefetch > 0:
-        fewer = dataclasses.replace(settings, prefetch=0)
-        tried = run(None, fewer)
+    policy_ops = 2 * profiler.ops
+
+    def attempt(
+        decisions: dict[str, Decision],
+        kept_in_last: dict[str, int],
+        candidate: OffloadSettings,
+        policy_cost: bool = False,
+    ) -> _Trial:
+        """Plan one candidate; its time leaves out the policy's host cost unless asked."""
+        nonlocal smallest
+        context_fn = _context_fn(decisions, kept_in_last, regions)
+        tried = replan(candidate, context_fn=context_fn)[0]
         smallest = min(smallest, tried.peak_bytes)
-        if fits(tried):
-            best = (tried, fewer, step_seconds(tried, device, 0))
+        ops = policy_ops if policy_cost and context_fn else 0
+        return _Trial(tried, candidate, step_seconds(tried, device, candidate.prefetch, ops))
+
+    best = baseline
+    if not fits(baseline) and settings.prefetch > 0:
+        fewer = attempt({}, {}, dataclasses.replace(settings, prefetch=0))
+        best = fewer if fits(fewer) else best
     plain = best
-    regions = max(profiler.regions, 1)
-    kept_in_last: dict[str, int] = {}
+    decisions: dict[str, Decision] = {}
     overflowed: list[KindProfile] = []  # kept everywhere, they did not fit
-    if fits(best[0]):
-        for kind in kinds:
-            attempts: tuple[tuple[Decision, tuple[OffloadSettings, ...]], ...] = (
-                ("keep", (best[1],)),
-                ("offload", _lookaheads(best[1]) if OFFLOAD_AVAILABLE else ()),
+    for kind in kinds if fits(best) else ():
+        kept = attempt({**decisions, kind.kind: "keep"}, {}, best.settings)
+        if fits(kept):  # an offload saves what keeping saves, and costs link time
+            if kept.seconds < best.seconds:
+                best, decisions[kind.kind] = kept, "keep"
+            continue
+        overflowed.append(kind)
+        ahead = best.settings.prefetch  # an offload that does not fit tries 1 record ahead
+        for prefetch in dict.fromkeys((ahead, min(ahead, 1))) if OFFLOAD_AVAILABLE else ():
+            offloaded = attempt(
+                {**decisions, kind.kind: "offload"},
+                {},
+                dataclasses.replace(best.settings, prefetch=prefetch),
             )
-            for decision, candidates in attempts:
-                trial: dict[str, Decision] = {**decisions, kind.kind: decision}
-                accepted = False
-                for candidate in candidates:
-                    tried = run(_context_fn(trial, {}, regions), candidate)
-                    smallest = min(smallest, tried.peak_bytes)
-                    # The policy's host cost is the same for any choice: see the end.
-                    seconds = step_seconds(tried, device, candidate.prefetch)
-                    if fits(tried) and seconds < best[2]:
-                        best = (tried, candidate, seconds)
-                        decisions[kind.kind] = decision
-                        accepted = True
-                    if fits(tried):  # fewer records ahead only helps to fit, never to be faster
-                        break
-                if accepted:
-                    break
-                if decision == "keep":
-                    if fits(tried):  # an offload saves what keeping saves, and costs link time
-                        break
-                    overflowed.append(kind)
+            if fits(offloaded):  # fewer records ahead only helps to fit, never to be faster
+                if offloaded.seconds < best.seconds:
+                    best, decisions[kind.kind] = offloaded, "offload"
+                break
     # Note [The budget search]: what did not fit everywhere, kept in the last regions.
+    kept_in_last: dict[str, int] = {}
     tries = _REGION_TRIES
     for kind in overflowed if regions > 1 else ():
-        room = budget_bytes - best[0].peak_bytes
+        room = budget_bytes - best.plan.peak_bytes
         last = min(regions - 1, room * kind.calls // max(kind.output_bytes, 1))
         for count in dict.fromkeys((last, last // 2)):
             if count < 1 or tries == 0:
                 break
             tries -= 1
             trial_last = {**kept_in_last, kind.kind: count}
-            tried = run(_context_fn(decisions, trial_last, regions), best[1])
-            smallest = min(smallest, tried.peak_bytes)
-            seconds = step_seconds(tried, device, best[1].prefetch)
-            if fits(tried) and seconds < best[2]:
-                best, kept_in_last = (tried, best[1], seconds), trial_last
+            tried = attempt(decisions, trial_last, best.settings)
+            if fits(tried) and tried.seconds < best.seconds:
+                best, kept_in_last = tried, trial_last
                 break
     if decisions or kept_in_last:
-        with_policy = step_seconds(best[0], device, best[1].prefetch, policy_ops)
-        if with_policy < plain[2]:
-            best = (best[0], best[1], with_policy)
+        with_policy = step_seconds(best.plan, device, best.settings.prefetch, policy_ops)
+        if with_policy < plain.seconds:
+            best = best._replace(seconds=with_policy)
         else:  # the recompute it saves does not pay for the policy's host time
             best, decisions, kept_in_last = plain, {}, {}
+    smallest_tried = smallest  # the on-device step below was never counted in it
     if "offload" not in decisions.values():
         # Note [The budget search]: no link at all where the budget holds the inputs too.
-        on_device = dataclasses.replace(best[1], min_offload_bytes=baseline.bytes_to_host + 1)
-        policy = _context_fn(decisions, kept_in_last, regions)
-        tried = run(policy, on_device)
-        seconds = step_seconds(tried, device, on_device.prefetch, policy_ops if policy else 0)
-        if fits(tried) and seconds <= best[2]:
-            best = (tried, on_device, seconds)
-    chosen, chosen_settings, seconds = best
+        on_device = dataclasses.replace(
+            best.settings, min_offload_bytes=baseline.plan.bytes_to_host + 1
+        )
+        tried = attempt(decisions, kept_in_last, on_device, policy_cost=True)
+        if fits(tried) and tried.seconds <= best.seconds:
+            best = tried
     return BudgetPlan(
         budget_bytes=budget_bytes,
         host_budget_bytes=host_budget_bytes,
         ranks_per_node=ranks_per_node,
-        fits=fits(chosen),
+        fits=fits(best),
         decisions=tuple(sorted(decisions.items())),
         kept_in_last=tuple(sorted(kept_in_last.items())),
         regions=regions,
-        prefetch=chosen_settings.prefetch,
-        min_offload_bytes=chosen_settings.min_offload_bytes,
-        peak_bytes=chosen.peak_bytes,
-        pinned_bytes_per_node=chosen.pinned_bytes * ranks_per_node,
-        step_seconds=seconds,
-        every_block_seconds=every_block,
-        smallest_budget_bytes=smallest,
+        prefetch=best.settings.prefetch,
+        min_offload_bytes=best.settings.min_offload_bytes,
+        peak_bytes=best.plan.peak_bytes,
+        pinned_bytes_per_node=best.plan.pinned_bytes * ranks_per_node,
+        step_seconds=best.seconds,
+        every_block_seconds=baseline.seconds,
+        smallest_budget_bytes=smallest_tried,
         kinds=tuple(kinds),
-        strategy_plan=chosen,
+        strategy_plan=best.plan,
     )
-
-
-def _lookaheads(settings: OffloadSettings) -> tuple[OffloadSettings, ...]:
-    """The settings an offload is tried with: the look-ahead in force, then one record ahead."""
-    if settings.prefetch <= 1:
-        return (settings,)
-    return (settings, dataclasses.replace(settings, prefetch=1))

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 import matepoint_compat as compat
+from matepoint._plan_trace import tensors_in
 
-__all__ = ["DeviceModel", "OpCall", "ProfilingMode", "op_kind"]
+__all__ = ["DeviceModel", "KindProfile", "RegionProfiler", "occurrence_class", "op_kind"]
 
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
 # The matrix operands' positions: addmm and baddbmm take the bias first.
@@ -46,13 +47,6 @@ def op_kind(func: Any, args: tuple[Any, ...]) -> str:
         if isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor):
             return f"matmul {left.shape[-1]}x{right.shape[-1]}"
     return "other"
-
-
-def _tensor_bytes(values: Any) -> int:
-    leaves, _ = compat.tree_flatten(values)
-    return sum(
-        leaf.numel() * leaf.element_size() for leaf in leaves if isinstance(leaf, torch.Tensor)
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,38 +76,68 @@ class DeviceModel:
 
 
 @dataclasses.dataclass(frozen=True)
-class OpCall:
-    """One op run in the forward of a checkpointed region.
+class KindProfile:
+    """One class of op across the checkpointed regions of a step.
 
     Attributes:
-        region: Which checkpoint call of the step (0 for the first).
-        kind: Its kind (Note [Op kinds]).
-        occurrence: How many ops of its kind its region had run, itself included (1 for the
-            first).
-        flops: Its FLOPs, as torch's flop counter counts them.
-        output_bytes: Bytes of its outputs: what keeping or offloading them holds.
-        moved_bytes: Bytes of its inputs and outputs: what it reads and writes at least.
+        kind: Its name: a kind, or one occurrence of a kind repeated in a region (Note [Op
+            kinds]).
+        calls: How many times it runs in one forward.
+        output_bytes: Bytes its outputs hold over the whole step.
+        flops: FLOPs of its forward calls (what recomputing them costs).
     """
 
-    region: int
     kind: str
-    occurrence: int
-    flops: int
+    calls: int
     output_bytes: int
-    moved_bytes: int
+    flops: int
+
+    @property
+    def flops_per_byte(self) -> float:
+        """Recompute FLOPs saved per byte kept: the ranking of Note [The budget search]."""
+        return self.flops / max(self.output_bytes, 1)
 
 
-class ProfilingMode(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Records every op of one region's forward as an :class:`OpCall`.
+def occurrence_class(kind: str, occurrence: int) -> str:
+    """The class of the ``occurrence``-th op of ``kind`` in a region (Note [Op kinds])."""
+    return f"{kind} #{occurrence}"
 
-    Installed as the forward context of each checkpoint call (its ``context_fn``), so it sees
-    exactly the ops a selective-checkpoint policy would be asked about, and no others.
+
+class RegionProfiler:
+    """A ``context_fn`` for every checkpoint call of a step that profiles each region's forward.
+
+    Each call gives its region a dispatch mode as the forward context, so it sees exactly the
+    ops a selective-checkpoint policy would be asked about, and no others.
     """
 
-    def __init__(self, region: int, calls: list[OpCall]) -> None:
+    def __init__(self) -> None:
+        self.regions = 0
+        self.ops = 0
+        # Per kind and occurrence in its region: calls, output bytes and FLOPs, as first seen.
+        self.totals: dict[tuple[str, int], list[int]] = {}
+        self.repeated: set[str] = set()
+
+    def __call__(self) -> tuple[Any, Any]:
+        self.regions += 1
+        return _RegionMode(self), contextlib.nullcontext()
+
+    def kinds(self) -> list[KindProfile]:
+        """The classes of op seen that hold bytes, best to keep first (Note [Op kinds])."""
+        kinds = [
+            KindProfile(
+                occurrence_class(kind, occurrence) if kind in self.repeated else kind, *totals
+            )
+            for (kind, occurrence), totals in self.totals.items()
+        ]
+        return sorted(kinds, key=lambda kind: kind.flops_per_byte, reverse=True)
+
+
+class _RegionMode(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts every op of one region's forward into its :class:`RegionProfiler`."""
+
+    def __init__(self, profiler: RegionProfiler) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.region = region
-        self.calls = calls
+        self.profiler = profiler
         self.seen: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(
@@ -121,30 +145,16 @@ class ProfilingMode(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        output_bytes = _tensor_bytes(out)
         kind = op_kind(func, args)
         self.seen[kind] += 1
-        self.calls.append(
-            OpCall(
-                region=self.region,
-                kind=kind,
-                occurrence=self.seen[kind],
-                flops=compat.op_flops(func, args, kwargs, out),
-                output_bytes=output_bytes,
-                moved_bytes=output_bytes + _tensor_bytes((args, kwargs)),
-            )
-        )
+        profiler = self.profiler
+        profiler.ops += 1
+        if self.seen[kind] > 1:
+            profiler.repeated.add(kind)
+        output_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors_in(out))
+        if kind != "other" and output_bytes:
+            totals = profiler.totals.setdefault((kind, self.seen[kind]), [0, 0, 0])
+            totals[0] += 1
+            totals[1] += output_bytes
+            totals[2] += compat.op_flops(func, args, kwargs, out)
         return out
-
-
-class RegionProfiler:
-    """A ``context_fn`` for every checkpoint call of a step that profiles each region's forward."""
-
-    def __init__(self) -> None:
-        self.calls: list[OpCall] = []
-        self.regions = 0
-
-    def __call__(self) -> tuple[Any, Any]:
-        mode = ProfilingMode(self.regions, self.calls)
-        self.regions += 1
-        return mode, contextlib.nullcontext()

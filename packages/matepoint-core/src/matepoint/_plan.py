@@ -24,7 +24,7 @@ import torch
 from matepoint._budget import BudgetPlan, fastest_under
 from matepoint._budget_profile import DeviceModel
 from matepoint._options import OffloadOptions, OffloadSettings, get_options, resolve
-from matepoint._plan_step import SavedInput, StrategyPlan, TimelinePoint, run_step
+from matepoint._plan_step import Planned, SavedInput, StrategyPlan, TimelinePoint, run_step
 
 __all__ = ["MemoryPlan", "Recommendation", "StrategyPlan", "TimelinePoint", "plan"]
 
@@ -33,8 +33,6 @@ DEFAULT_LINK_BANDWIDTH = 55e9
 # FLOP/s: dense bf16 peak of an H100 / H200.
 DEFAULT_PEAK_FLOPS = 989e12
 STRATEGIES = ("none", "torch", "matepoint")
-# A planned matepoint step, and every checkpoint input it saved.
-_Planned = tuple[StrategyPlan, tuple[SavedInput, ...]]
 _GB = 1e9
 _GIB = float(1 << 30)
 
@@ -57,7 +55,7 @@ class MemoryPlan:
     link_bandwidth: float
     peak_flops: float
     saves: tuple[SavedInput, ...]
-    replan: Callable[..., _Planned] = dataclasses.field(repr=False, compare=False)
+    replan: Callable[..., Planned] = dataclasses.field(repr=False, compare=False)
 
     def __getitem__(self, strategy: str) -> StrategyPlan:
         return self.strategies[strategy]
@@ -109,12 +107,12 @@ class MemoryPlan:
         link = self.link_bandwidth
         default = DeviceModel(self.peak_flops, to_host_bandwidth=link, to_device_bandwidth=link)
         return fastest_under(
-            lambda context_fn, settings: self.replan(settings, context_fn=context_fn)[0],
+            self.replan,
             self.effective_options,
             budget_bytes,
-            host_budget_bytes=host_budget_bytes,
-            ranks_per_node=ranks_per_node,
-            device=device or default,
+            host_budget_bytes,
+            ranks_per_node,
+            device or default,
         )
 
     def to_dict(self, max_points: int = 2000) -> dict[str, Any]:
@@ -350,7 +348,7 @@ def _threshold_classes(saves: tuple[SavedInput, ...], current: int) -> list[int]
 
 
 def recommend(
-    base: OffloadSettings, replan: Callable[[OffloadSettings], _Planned], budget_bytes: int
+    base: OffloadSettings, replan: Callable[[OffloadSettings], Planned], budget_bytes: int
 ) -> Recommendation:
     """Search offload options for ``budget_bytes``; see :class:`Recommendation`.
 
@@ -364,7 +362,7 @@ def recommend(
     """
 
     @cache
-    def evaluate(min_offload: int, stash: int, prefetch: int) -> _Planned:
+    def evaluate(min_offload: int, stash: int, prefetch: int) -> Planned:
         return replan(options(min_offload, stash, prefetch))
 
     def options(min_offload: int, stash: int, prefetch: int) -> OffloadSettings:

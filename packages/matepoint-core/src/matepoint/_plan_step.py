@@ -37,7 +37,7 @@ from matepoint._registry import planning_scope
 from matepoint._saving import KeepReason, count_kept
 from matepoint._transport import Channel
 
-__all__ = ["MetaChannel", "PlannedStep", "SavedInput", "StrategyPlan", "TimelinePoint", "run_step"]
+__all__ = ["Planned", "SavedInput", "StrategyPlan", "TimelinePoint", "run_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +161,10 @@ class SavedInput:
     shape: tuple[int, ...]
     dtype: str
     fate: str
+
+
+# A planned step, and every checkpoint input it saved, in order.
+Planned = tuple[StrategyPlan, tuple[SavedInput, ...]]
 
 
 class MetaChannel:
@@ -289,7 +293,7 @@ def run_step(
     strategy: str,
     options: OffloadSettings | None,
     context_fn: Callable[[], Any] | None = None,
-) -> tuple[StrategyPlan, tuple[SavedInput, ...]]:
+) -> Planned:
     """Run forward and backward of ``fn`` once under ``strategy`` and report its memory.
 
     Args:

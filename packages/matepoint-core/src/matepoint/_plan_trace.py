@@ -50,7 +50,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 import matepoint_compat as compat
 
-__all__ = ["CUBLAS_WORKSPACE_BYTES", "PHASES", "CudaKernels", "MemoryTracker", "Sample"]
+__all__ = ["CUBLAS_WORKSPACE_BYTES", "PHASES", "CudaKernels", "MemoryTracker", "tensors_in"]
 
 # Bytes the CUDA caching allocator rounds every allocation up to (its ``kMinBlockSize``).
 ALLOCATION_GRANULARITY = 512
@@ -68,7 +68,7 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _tensors(value: Any) -> Iterator[Tensor]:
+def tensors_in(value: Any) -> Iterator[Tensor]:
     """Yield the tensors in an operator's arguments or results (tuples, lists, dicts).
 
     A hand-written walk: the planner calls it twice per op, where a pytree flatten, which
@@ -78,10 +78,10 @@ def _tensors(value: Any) -> Iterator[Tensor]:
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
 
 
 class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -140,7 +140,7 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         Tensors made before the step (parameters, inputs, gradients) are adopted: see Note
         [Bytes before the step].
         """
-        for tensor in _tensors(values):
+        for tensor in tensors_in(values):
             if tensor.device.type != "meta":
                 continue
             if tensor.layout != torch.strided:
