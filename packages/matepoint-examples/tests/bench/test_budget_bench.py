@@ -97,3 +97,36 @@ def test_matepoint_bench_runs_the_budget_benchmark(tmp_path: Path) -> None:
     out = tmp_path / "frontier.png"
     assert cli.main(["budget", "--plot", str(out), str(data)]) == 0
     assert out.stat().st_size > 0
+
+
+def test_where_torch_runs_out_of_memory_the_table_gives_the_ratio_to_matepoint(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    gib = 1 << 30
+    report = {
+        "workload": "llama64-long",
+        "rounds": 2,
+        "device": "a GPU",
+        "plans": {"budget@24GiB": {"predicted_peak_bytes": 22 * gib}},
+        "rows": {
+            "torch": {"peak_bytes": -1, "planned_peak_bytes": 29 * gib},
+            "matepoint": {
+                "peak_bytes": 16 * gib,
+                "planned_peak_bytes": 16 * gib,
+                **dict.fromkeys(("to_matepoint", "to_matepoint_q1", "to_matepoint_q3"), 1.0),
+            },
+            "budget@24GiB": {
+                "peak_bytes": 22 * gib,
+                "planned_peak_bytes": None,
+                "to_matepoint": 0.95,
+                "to_matepoint_q1": 0.94,
+                "to_matepoint_q3": 0.96,
+            },
+        },
+    }
+    budget._print(report)
+    lines = capsys.readouterr().out.splitlines()
+    assert "step / matepoint" in lines[1]
+    torch_row, plan_row = lines[2].split(), lines[4].split()
+    assert torch_row[:3] == ["torch", "-", "-"]
+    assert plan_row == ["budget@24GiB", "-", "0.950", "[0.940-0.960]", "22.00", "22.00"]
