@@ -95,22 +95,6 @@ if OFFLOAD_AVAILABLE:
     _POLICY_VALUES["offload"] = torch_checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
 
 
-def _policy(chosen: dict[str, Decision]) -> Callable[..., Any]:
-    # Ops of each kind seen so far in this region, in forward and in the recomputation apart
-    # (Note [Op kinds]): one policy serves one checkpoint call.
-    seen: collections.Counter[tuple[bool, str]] = collections.Counter()
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        del kwargs
-        kind = op_kind(func, args)
-        key = (bool(ctx.is_recompute), kind)
-        seen[key] += 1
-        decision = chosen.get(occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))
-        return _POLICY_VALUES[decision]
-
-    return policy
-
-
 class _PlanContexts:
     """A plan's ``context_fn``: torch's selective-checkpoint contexts around a fresh policy.
 
@@ -131,16 +115,29 @@ class _PlanContexts:
         self.decisions, self.kept_in_last, self.regions = decisions, kept_in_last, regions
         self.calls = 0
 
-    def choices(self, region: int) -> dict[str, Decision]:
-        """What region ``region`` does with each class."""
+    def policy(self, region: int) -> Callable[..., Any]:
+        """Region ``region``'s policy; it counts the ops it sees, so it serves one call."""
         kept = [name for name, last in self.kept_in_last.items() if region >= self.regions - last]
-        return {**self.decisions, **dict.fromkeys(kept, "keep")}
+        chosen: dict[str, Decision] = {**self.decisions, **dict.fromkeys(kept, "keep")}
+        # Ops of each kind seen so far in the region, in forward and in the recomputation apart
+        # (Note [Op kinds]).
+        seen: collections.Counter[tuple[bool, str]] = collections.Counter()
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            del kwargs
+            kind = op_kind(func, args)
+            key = (bool(ctx.is_recompute), kind)
+            seen[key] += 1
+            decision = chosen.get(occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))
+            return _POLICY_VALUES[decision]
+
+        return policy
 
     def __call__(self) -> Any:
         region = self.calls % self.regions
         self.calls += 1
         return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-            _policy(self.choices(region))
+            self.policy(region)
         )
 
 
@@ -210,7 +207,7 @@ class BudgetPlan:
         one: :meth:`context_fn` makes one per call, for the call's region.
         """
         contexts = _PlanContexts(dict(self.decisions), dict(self.kept_in_last), self.regions)
-        return _policy(contexts.choices(region))
+        return contexts.policy(region)
 
     def context_fn(self) -> Callable[[], Any] | None:
         """The ``context_fn`` for every checkpoint call (None when everything is recomputed).
@@ -242,11 +239,8 @@ class BudgetPlan:
             )
         decided, kept_last = dict(self.decisions), dict(self.kept_in_last)
         for kind in self.kinds:
-            where = (
-                f" (keep in the last {kept_last[kind.kind]} of {self.regions} regions)"
-                if kind.kind in kept_last
-                else ""
-            )
+            last = kept_last.get(kind.kind)
+            where = f" (keep in the last {last} of {self.regions} regions)" if last else ""
             lines.append(
                 f"  {kind.kind:<24} {decided.get(kind.kind, 'recompute'):<10} "
                 f"{kind.output_bytes / _GIB:8.2f} GiB in {kind.calls} calls, "

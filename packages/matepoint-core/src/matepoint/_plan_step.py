@@ -244,8 +244,7 @@ class PlannedStep:
     def saved(self, tensor: torch.Tensor, fate: str) -> None:
         if fate not in ("offloaded", "shared"):
             count_kept(self.engine.counters, cast(KeepReason, fate))
-        if tensor.numel():
-            nbytes = tensor.numel() * tensor.element_size()
+        if nbytes := tensor.numel() * tensor.element_size():
             shape, dtype = tuple(tensor.shape), str(tensor.dtype)
             self.saves.append(SavedInput(len(self.saves), nbytes, shape, dtype, fate))
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -141,9 +141,7 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         [Bytes before the step].
         """
         for tensor in tensors_in(values):
-            if tensor.device.type != "meta":
-                continue
-            if tensor.layout != torch.strided:
+            if tensor.device.type != "meta" or tensor.layout != torch.strided:
                 continue
             storage = tensor.untyped_storage()
             key = id(storage)
@@ -153,14 +151,13 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
             nbytes = _round_up(storage.nbytes(), ALLOCATION_GRANULARITY)
             if key in self._watched:
                 reference, counted = self._watched[key]
-                if counted is not None and counted != nbytes:  # resized in place
-                    self._watched[key] = (reference, nbytes)
-                    self.device_bytes += nbytes - counted
-                    self.sample()
-                continue
-            self._watched[key] = (weakref.ref(storage, partial(self._freed, key)), nbytes)
+                if counted is None or counted == nbytes:  # a host block, or not resized
+                    continue
+            else:
+                reference, counted = weakref.ref(storage, partial(self._freed, key)), 0
+            self._watched[key] = (reference, nbytes)
             if not preexisting:
-                self.device_bytes += nbytes
+                self.device_bytes += nbytes - counted
                 self.sample()
                 continue
             self.preexisting_bytes += nbytes
@@ -320,8 +317,7 @@ class CudaKernels(TorchFunctionMode):
         flops = 2 * batch * heads * seq_q * key.shape[-2] * (dim + value.shape[-1])
         flops = flops // 2 if is_causal else flops
         inputs = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
-        out: Tensor = _Attention.apply(self.tracker, flops, *inputs)  # type: ignore[no-untyped-call]
-        return out
+        return cast(Tensor, _Attention.apply(self.tracker, flops, *inputs))  # type: ignore[no-untyped-call]
 
     def _rms_norm(
         self,
@@ -338,5 +334,4 @@ class CudaKernels(TorchFunctionMode):
             or (weight is not None and weight.dtype != x.dtype)
         ):
             return None
-        out: Tensor = _RMSNorm.apply(x, dims, weight)  # type: ignore[no-untyped-call]
-        return out
+        return cast(Tensor, _RMSNorm.apply(x, dims, weight))  # type: ignore[no-untyped-call]
