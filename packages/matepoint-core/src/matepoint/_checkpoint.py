@@ -52,18 +52,26 @@ _SIMPLE_LEAF_TYPES = (torch.Tensor, *_PLAIN_TYPES)
 _NO_HOOKS = contextlib.nullcontext()
 
 
-# The hooks of the last options: a training loop repeats one set of options (``resolve`` returns
-# the same object while nothing changes), so building the hooks is off the per-call path.
-@functools.lru_cache(maxsize=1)
+# The hooks of the last call: a training loop repeats one set of options (``resolve`` returns
+# the same object while nothing changes), so building the hooks is off the per-call path. Not
+# functools.lru_cache: Dynamo warns where it traces a call to one (the graph break's resume).
+_last_hooks: tuple[ResolvedOptions, saved_tensors_hooks] | None = None
+
+
 def _hooks_for(options: ResolvedOptions) -> saved_tensors_hooks:
     """Return matepoint's outer saved-tensor hooks for checkpoint calls with these options.
 
     Entering pushes the two hooks and leaving pops them; the object keeps no other state, so one
     instance serves every call (nested and threaded ones too) with the same options.
     """
-    return saved_tensors_hooks(
-        functools.partial(pack, options=options), functools.partial(unpack, options=options)
-    )
+    global _last_hooks
+    last = _last_hooks
+    if last is None or last[0] is not options:
+        hooks = saved_tensors_hooks(
+            functools.partial(pack, options=options), functools.partial(unpack, options=options)
+        )
+        last = _last_hooks = (options, hooks)
+    return last[1]
 
 
 def _flattened_call(
