@@ -210,13 +210,17 @@ class OffloadOptions:
                 "deprecated_settings); valid: enabled, pipeline, min_offload_bytes (device "
                 f"settings go to matepoint.configure: {', '.join(sorted(_DEVICE_FIELDS))})"
             )
-        self.__dict__.update(
-            enabled=enabled,
-            pipeline=pipeline,
-            min_offload_bytes=min_offload_bytes,
-            # The test delay is the transport's now: per call it does nothing (its warning says so).
-            deprecated_settings=tuple(sorted(_checked_values(carried, "OffloadOptions").items())),
-        )
+        # Field by field through object.__setattr__ (frozen): Dynamo traces that, where it
+        # cannot trace an update of __dict__ (torch 2.11, whole-model compile).
+        # The test delay is the transport's now: per call it does nothing (its warning says so).
+        checked = tuple(sorted(_checked_values(carried, "OffloadOptions").items()))
+        for name, value in (
+            ("enabled", enabled),
+            ("pipeline", pipeline),
+            ("min_offload_bytes", min_offload_bytes),
+            ("deprecated_settings", checked),
+        ):
+            object.__setattr__(self, name, value)
         _check_fields(self)
         if deprecated:
             warn_per_call_settings(deprecated)
