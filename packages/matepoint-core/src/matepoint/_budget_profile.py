@@ -2,9 +2,8 @@
 
 A budget plan (``matepoint._budget``) decides per kind of op inside the checkpointed regions
 whether its outputs are kept on the device, offloaded to host memory, or recomputed. This module
-gives it the two things it ranks the kinds by: the bytes an op's outputs hold, and the time
-recomputing them takes, estimated without a GPU (FLOPs over the device's peak rate, bytes over
-its memory bandwidth, whichever is longer).
+gives it the two things it ranks the kinds by: the bytes an op's outputs hold, and the FLOPs
+recomputing them takes (torch's flop counter, no GPU needed), summed per kind over a step.
 
 Note [Op kinds]
     Ops are grouped by what a selective-checkpoint policy can see of them before they run (the
