@@ -472,3 +472,47 @@ def test_recommend_says_what_would_fit_when_nothing_does() -> None:
     assert advice.batch_fraction is not None
     assert 0 < advice.batch_fraction < 1
     assert "nothing fits" in str(advice)
+
+
+def test_meta_results_are_reused_only_where_arguments_decide_them() -> None:
+    """Note [Meta results reused]: a reused result is a fresh tensor of the layout the op gave."""
+    from matepoint import _plan_trace
+
+    aten = torch.ops.aten
+    assert _plan_trace._reusable(aten.mul.Tensor)
+    assert not _plan_trace._reusable(aten.mul_.Tensor)  # writes its argument
+    assert not _plan_trace._reusable(aten.view.default)  # its result aliases the argument
+    assert not _plan_trace._reusable(aten.split.Tensor)  # a list of views
+
+    x = torch.empty(3, 4, device="meta").t()  # not contiguous: the layout must come along
+    first, flops = _plan_trace._run_meta(aten.mul.Tensor, (x, x), {})
+    again, _ = _plan_trace._run_meta(aten.mul.Tensor, (x, x), {})
+    assert again.stride() == first.stride() == x.stride()
+    assert again.shape == first.shape
+    # A storage of its own (the same StorageImpl would make the tracker count it once).
+    assert again.untyped_storage()._cdata != first.untyped_storage()._cdata
+    assert flops == 0
+    # The type of a plain argument is part of the key: a bool fill makes a bool tensor.
+    ints, _ = _plan_trace._run_meta(aten.full.default, ((2,), 1), {"device": "meta"})
+    bools, _ = _plan_trace._run_meta(aten.full.default, ((2,), True), {"device": "meta"})
+    assert (ints.dtype, bools.dtype) == (torch.int64, torch.bool)
+    # A matrix product's FLOPs come back with its reused result.
+    a, b = torch.empty(8, 16, device="meta"), torch.empty(16, 4, device="meta")
+    counted = [_plan_trace._run_meta(aten.mm.default, (a, b), {})[1] for _ in range(2)]
+    assert counted == [2 * 8 * 16 * 4] * 2
+
+
+def test_a_plan_is_the_same_with_meta_results_reused_or_not() -> None:
+    from matepoint import _plan_trace
+
+    def planned() -> list[Any]:
+        memory_plan = matepoint.plan(chain(4), meta_input())
+        return [
+            (plan.peak_bytes, plan.pinned_bytes, plan.bytes_to_host, plan.forward_flops)
+            for plan in memory_plan.strategies.values()
+        ]
+
+    _plan_trace._meta_results.clear()
+    cold = planned()
+    assert _plan_trace._meta_results  # the ops of the step were recorded
+    assert planned() == cold

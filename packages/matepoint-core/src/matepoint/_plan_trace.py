@@ -33,6 +33,18 @@ Note [CUDA kernel stand-ins]
     policy sees it as attention, as it sees CUDA's fused kernels (a budget plan may keep or
     offload its outputs), and its FLOPs are counted only when it runs, not when a policy serves
     it cached.
+
+Note [Meta results reused]
+    A plan runs the same step once per strategy, and a budget search once per try: the same ops
+    on tensors of the same shapes. For many ops torch computes a meta result in Python (its
+    reference decompositions), most of a planned step's time. An op that writes none of its
+    arguments and returns only fresh tensors (no alias in its schema) has results whose dtypes,
+    shapes and strides follow from its arguments' dtypes, shapes and strides and its other
+    arguments (their types included: ``full(size, True)`` is a bool tensor, ``full(size, 1)``
+    an integer one). The tracker computes such an op's results once per argument signature,
+    with their FLOPs, and later makes fresh meta tensors of the same layout instead (a result
+    whose storage is not exactly its layout's, or that sits at an offset, is never reused).
+    Anything else runs as it is.
 """
 
 from __future__ import annotations
@@ -84,6 +96,100 @@ def tensors_in(value: Any) -> Iterator[Tensor]:
             yield from tensors_in(item)
 
 
+# See Note [Meta results reused]: per op and argument signature, each result's (dtype, shape,
+# strides) and the op's FLOPs. Bounded: cleared when it holds _REUSE_LIMIT signatures.
+_meta_results: dict[tuple[Any, ...], tuple[tuple[tuple[Any, ...], ...], int]] = {}
+_REUSE_LIMIT = 1 << 16
+_reusable_ops: dict[Any, bool] = {}
+_PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
+
+
+def _reusable(func: Any) -> bool:
+    """Whether an op writes no argument and returns only fresh tensors.
+
+    See Note [Meta results reused].
+    """
+    known = _reusable_ops.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = (
+            schema is not None
+            and not schema.is_mutable
+            and bool(schema.returns)
+            and all(
+                result.alias_info is None and str(result.type) == "Tensor"
+                for result in schema.returns
+            )
+        )
+        _reusable_ops[func] = known
+    return known
+
+
+def _signature(value: Any) -> Any:
+    """An argument's part of an op's key; raises TypeError for one the cache cannot key."""
+    if isinstance(value, Tensor):
+        if type(value) not in (Tensor, torch.nn.Parameter) or value.device.type != "meta":
+            raise TypeError("not a plain meta tensor")
+        if value.layout != torch.strided:
+            raise TypeError("not strided")
+        return (Tensor, value.dtype, tuple(value.shape), value.stride())
+    if isinstance(value, (tuple, list)):
+        return (type(value), *(_signature(item) for item in value))
+    if isinstance(value, _PLAIN_VALUES) or value is torch.contiguous_format:
+        return (type(value), value)
+    raise TypeError(f"cannot key a {type(value).__name__}")
+
+
+def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+    """Run an op, or remake its results, and return them with its FLOPs.
+
+    See Note [Meta results reused].
+    """
+    key = None
+    if _reusable(func):
+        try:
+            key = (func, _signature(args), _signature(sorted(kwargs.items())))
+        except TypeError:
+            key = None
+    known = _meta_results.get(key) if key is not None else None
+    if known is not None:
+        layouts, flops = known
+        results = tuple(
+            torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            for dtype, shape, stride in layouts
+        )
+        return (results[0] if len(results) == 1 else results), flops
+    out = func(*args, **kwargs)
+    flops = compat.op_flops(func, args, kwargs, out)
+    if key is not None:
+        produced: tuple[Any, ...] = out if isinstance(out, tuple) else (out,)
+        if all(
+            isinstance(result, Tensor)
+            and result.device.type == "meta"
+            and result.layout == torch.strided
+            and result.storage_offset() == 0
+            and result.untyped_storage().nbytes() == _layout_bytes(result)
+            for result in produced
+        ):
+            if len(_meta_results) >= _REUSE_LIMIT:
+                _meta_results.clear()
+            _meta_results[key] = (
+                tuple((r.dtype, tuple(r.shape), r.stride()) for r in produced),
+                flops,
+            )
+    return out, flops
+
+
+def _layout_bytes(tensor: Tensor) -> int:
+    """Bytes ``empty_strided`` allocates for a tensor's shape and strides."""
+    if tensor.numel() == 0:
+        return 0
+    span = 1 + sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return span * tensor.element_size()
+
+
 class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Count the bytes of live storages on the meta device (standing in for CUDA), and FLOPs.
 
@@ -115,11 +221,11 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         if self.paused:
-            return out
+            return func(*args, **kwargs)
+        out, flops = _run_meta(func, args, kwargs)
         self.watch((args, kwargs), preexisting=True)
-        self.flops += compat.op_flops(func, args, kwargs, out)
+        self.flops += flops
         if func.overloadpacket.__name__ in _MATRIX_PRODUCTS:
             self.product_phases.add(self.phase)  # See Note [cuBLAS workspaces].
         self.watch(out, preexisting=False)
