@@ -17,18 +17,40 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
 import matepoint_compat as compat
 from matepoint._errors import InplaceModificationError
+from matepoint._options import OffloadSettings
 from matepoint._pool import HostBlock
+from matepoint._stats import Counters
+from matepoint._transport import Channel
 
-if TYPE_CHECKING:  # the engine imports this module
-    from matepoint._engine import ChannelEngine
+__all__ = ["KeptTensor", "Record", "RecordOwner", "inplace_error"]
 
-__all__ = ["KeptTensor", "Record", "inplace_error"]
+
+class RecordOwner(Protocol):
+    """What a record's users need of the engine that made it (``matepoint._engine``).
+
+    A protocol rather than the engine's class: the engine imports this module, and this module
+    must not import the engine (no import circle).
+    """
+
+    @property
+    def channel(self) -> Channel: ...
+    @property
+    def graveyard(self) -> deque[HostBlock]: ...
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+    @property
+    def counters(self) -> Counters: ...
+
+    def restore(self, record: Record, options: OffloadSettings) -> torch.Tensor:
+        """Return a device tensor with the record's contents."""
 
 
 def inplace_error(
@@ -112,7 +134,7 @@ class Record(_WeakReferable):
             fetched in this backward, served to the others so it crosses the link once.
     """
 
-    owner: ChannelEngine
+    owner: RecordOwner
     sequence: int
     block: HostBlock
     version: int
