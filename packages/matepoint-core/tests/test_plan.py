@@ -496,6 +496,16 @@ def test_meta_results_are_reused_only_where_arguments_decide_them() -> None:
     ints, _ = _plan_trace._run_meta(aten.full.default, ((2,), 1), {"device": "meta"})
     bools, _ = _plan_trace._run_meta(aten.full.default, ((2,), True), {"device": "meta"})
     assert (ints.dtype, bools.dtype) == (torch.int64, torch.bool)
+    # So is the default dtype, which a factory without a dtype makes.
+    fill = (aten.full.default, ((2,), 0.5), {"device": "meta"})
+    floats = _plan_trace._run_meta(*fill)[0].dtype
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        doubles = _plan_trace._run_meta(*fill)[0].dtype
+    finally:
+        torch.set_default_dtype(previous)
+    assert (floats, doubles) == (torch.float32, torch.float64)
     # A matrix product's FLOPs come back with its reused result.
     a, b = torch.empty(8, 16, device="meta"), torch.empty(16, 4, device="meta")
     counted = [_plan_trace._run_meta(aten.mm.default, (a, b), {})[1] for _ in range(2)]

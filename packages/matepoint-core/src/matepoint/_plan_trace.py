@@ -41,9 +41,10 @@ Note [Meta results reused]
     arguments and returns only fresh tensors (no alias in its schema) has results whose dtypes,
     shapes and strides follow from its arguments' dtypes, shapes and strides and its other
     arguments (their types included: ``full(size, True)`` is a bool tensor, ``full(size, 1)``
-    an integer one). The tracker computes such an op's results once per argument signature,
-    with their FLOPs, and later makes fresh meta tensors of the same layout instead (a result
-    whose storage is not exactly its layout's, or that sits at an offset, is never reused).
+    an integer one) and the default dtype. The tracker computes such an op's results once per
+    argument signature, with their FLOPs, and later makes fresh meta tensors of the same layout
+    instead (a result whose storage is not exactly its layout's, or that sits at an offset, is
+    never reused).
     Anything else runs as it is.
 """
 
@@ -148,7 +149,12 @@ def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
     key = None
     if _reusable(func):
         try:
-            key = (func, _signature(args), _signature(sorted(kwargs.items())))
+            key = (
+                func,
+                torch.get_default_dtype(),  # a factory without a dtype makes this one
+                _signature(args),
+                _signature(sorted(kwargs.items())),
+            )
         except TypeError:
             key = None
     known = _meta_results.get(key) if key is not None else None
