@@ -169,12 +169,16 @@ def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
     flops = compat.op_flops(func, args, kwargs, out)
     if key is not None:
         produced: tuple[Any, ...] = out if isinstance(out, tuple) else (out,)
+        # A result that is an argument's storage after all (a kernel that breaks its schema)
+        # is never reused either.
+        inputs = {tensor.untyped_storage()._cdata for tensor in tensors_in((args, kwargs))}
         if all(
             isinstance(result, Tensor)
             and result.device.type == "meta"
             and result.layout == torch.strided
             and result.storage_offset() == 0
             and result.untyped_storage().nbytes() == _layout_bytes(result)
+            and result.untyped_storage()._cdata not in inputs
             for result in produced
         ):
             if len(_meta_results) >= _REUSE_LIMIT:
