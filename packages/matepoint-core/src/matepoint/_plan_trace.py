@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
+from functools import cache, partial
 from typing import Any, cast
 
 import torch
@@ -101,29 +101,24 @@ def tensors_in(value: Any) -> Iterator[Tensor]:
 # strides) and the op's FLOPs. Bounded: cleared when it holds _REUSE_LIMIT signatures.
 _meta_results: dict[tuple[Any, ...], tuple[tuple[tuple[Any, ...], ...], int]] = {}
 _REUSE_LIMIT = 1 << 16
-_reusable_ops: dict[Any, bool] = {}
 _PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
 
 
+@cache
 def _reusable(func: Any) -> bool:
     """Whether an op writes no argument and returns only fresh tensors.
 
     See Note [Meta results reused].
     """
-    known = _reusable_ops.get(func)
-    if known is None:
-        schema = getattr(func, "_schema", None)
-        known = (
-            schema is not None
-            and not schema.is_mutable
-            and bool(schema.returns)
-            and all(
-                result.alias_info is None and str(result.type) == "Tensor"
-                for result in schema.returns
-            )
+    schema = getattr(func, "_schema", None)
+    return (
+        schema is not None
+        and not schema.is_mutable
+        and bool(schema.returns)
+        and all(
+            result.alias_info is None and str(result.type) == "Tensor" for result in schema.returns
         )
-        _reusable_ops[func] = known
-    return known
+    )
 
 
 def _signature(value: Any) -> Any:
