@@ -122,10 +122,16 @@ class _PlanContexts:
         # Ops of each kind seen so far in the region, in forward and in the recomputation apart
         # (Note [Op kinds]).
         seen: collections.Counter[tuple[bool, str]] = collections.Counter()
+        # A profile never ranks "other" (Note [Op kinds]): unless a plan names it, such an op,
+        # most of a region's, is recomputed without being counted.
+        other_decided = any(name.split(" #")[0] == "other" for name in chosen)
+        recompute = _POLICY_VALUES["recompute"]
 
         def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
             del kwargs
             kind = op_kind(func, args)
+            if kind == "other" and not other_decided:
+                return recompute
             key = (bool(ctx.is_recompute), kind)
             seen[key] += 1
             decision = chosen.get(occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -36,16 +37,29 @@ _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
 _BIAS_FIRST = frozenset({"addmm", "baddbmm"})
 
 
-def op_kind(func: Any, args: tuple[Any, ...]) -> str:
-    """Name the kind of an op call from what a policy sees of it. See Note [Op kinds]."""
-    name: str = func.overloadpacket.__name__
+@functools.cache
+def _named_kind(packet: Any) -> str:
+    """What an op's name alone says of its kind: attention, a matrix product, or other.
+
+    Cached per op: a plan's policy asks for every op of every region, in training's hot path.
+    """
+    name: str = packet.__name__
     if "scaled_dot_product" in name or name.endswith("attention_forward"):
         return "attention"
-    if name in _MATMULS:
-        left, right = (args[1], args[2]) if name in _BIAS_FIRST else (args[0], args[1])
+    if name in _BIAS_FIRST:
+        return "bias first"
+    return "matmul" if name in _MATMULS else "other"
+
+
+def op_kind(func: Any, args: tuple[Any, ...]) -> str:
+    """Name the kind of an op call from what a policy sees of it. See Note [Op kinds]."""
+    named = _named_kind(func.overloadpacket)
+    if named in ("matmul", "bias first"):
+        left, right = (args[1], args[2]) if named == "bias first" else (args[0], args[1])
         if isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor):
             return f"matmul {left.shape[-1]}x{right.shape[-1]}"
-    return "other"
+        return "other"
+    return named
 
 
 @dataclasses.dataclass(frozen=True)
