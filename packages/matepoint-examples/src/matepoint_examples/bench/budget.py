@@ -46,6 +46,7 @@ import matepoint
 import matepoint.integrations
 from matepoint._budget_profile import op_kind
 from matepoint_examples.bench._paired import per_round_ratios, quartiles, round_order
+from matepoint_examples.bench._report import ratio_cell
 from matepoint_examples.models import GPTConfig, LlamaConfig, LlamaStack, NanoGPT
 
 __all__ = [
@@ -481,9 +482,7 @@ def _print(report: dict[str, Any]) -> None:
     predicted = {name: plan["predicted_peak_bytes"] for name, plan in report["plans"].items()}
 
     def ratio(row: dict[str, Any], label: str) -> str:
-        if label not in row:
-            return "-"
-        return f"{row[label]:.3f} [{row[f'{label}_q1']:.3f}-{row[f'{label}_q3']:.3f}]"
+        return ratio_cell(row.get(label), row.get(f"{label}_q1"), row.get(f"{label}_q3"))
 
     for name, row in report["rows"].items():
         planned = predicted.get(name, row["planned_peak_bytes"])
