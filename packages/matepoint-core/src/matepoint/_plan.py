@@ -14,7 +14,7 @@ import bisect
 import dataclasses
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache, partial
 from itertools import accumulate
 from typing import Any
@@ -86,6 +86,7 @@ class MemoryPlan:
         host_budget_bytes: int | None = None,
         ranks_per_node: int = 1,
         device: DeviceModel | None = None,
+        measure: Callable[[Sequence[BudgetPlan]], Sequence[float]] | None = None,
     ) -> BudgetPlan:
         """Find the fastest step within ``budget_bytes``: keep, offload or recompute per op kind.
 
@@ -99,6 +100,11 @@ class MemoryPlan:
             ranks_per_node: Processes per node, each with its own pool. Default: ``1``.
             device: Peak rates for the time model. Default: this plan's ``peak_flops`` and
                 ``link_bandwidth`` with an H200's memory bandwidth.
+            measure: Times plans on the real device: called with the search's finalists (the
+                fastest plan with a selective-checkpoint policy and the fastest without), it
+                returns each one's step time in seconds, and the faster is chosen (Note
+                [Measured finalists] in ``matepoint._budget``). Default: ``None``, the time
+                model decides.
 
         Returns:
             The chosen plan (``fits`` False, and the smallest budget that would fit, if none
@@ -113,6 +119,7 @@ class MemoryPlan:
             host_budget_bytes,
             ranks_per_node,
             device or default,
+            measure,
         )
 
     def to_dict(self, max_points: int = 2000) -> dict[str, Any]:
