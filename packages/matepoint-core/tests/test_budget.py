@@ -383,6 +383,60 @@ def test_a_policy_that_costs_more_host_time_than_it_saves_is_not_chosen() -> Non
     assert budget.step_seconds == budget.every_block_seconds
 
 
+@pytest.mark.parametrize("policy_cost", [0.0, 1.0], ids=["model-takes-policy", "model-declines"])
+@pytest.mark.parametrize("policy_faster", [True, False], ids=["policy-faster", "plain-faster"])
+def test_measured_finalists_decide_whatever_the_time_model_says(
+    policy_cost: float, policy_faster: bool
+) -> None:
+    """Note [Measured finalists]: the policy plan and the best plan without one are measured."""
+    memory_plan = _plan()
+    roomy = memory_plan["none"].peak_bytes * 2
+    device = DeviceModel(peak_flops=1e12, policy_seconds_per_op=policy_cost)
+    given: list[tuple[matepoint.BudgetPlan, ...]] = []
+
+    def measure(plans: Any) -> list[float]:
+        given.append(tuple(plans))
+        return [0.5, 0.7] if policy_faster else [0.7, 0.5]
+
+    budget = memory_plan.fastest_under(roomy, device=device, measure=measure)
+    [(with_policy, without)] = given
+    assert with_policy.decisions
+    assert with_policy.context_fn() is not None
+    assert without.decisions == ()
+    assert without.context_fn() is None
+    assert with_policy.fits
+    assert without.fits
+    assert dataclasses.replace(budget, measured_seconds=()) == (
+        with_policy if policy_faster else without
+    )
+    assert budget.measured_seconds == (0.5, 0.7)
+    assert "measured 500.0 ms against 700.0 ms" in str(budget)
+    unmeasured = memory_plan.fastest_under(roomy, device=device)
+    assert unmeasured.measured_seconds == ()
+    assert bool(unmeasured.decisions) == (policy_cost == 0.0)
+
+
+def test_nothing_is_measured_when_the_search_found_no_policy_to_try() -> None:
+    memory_plan = _plan()
+
+    def measure(plans: Any) -> list[float]:
+        raise AssertionError(f"measured {len(plans)} plan(s)")
+
+    floor = memory_plan["matepoint"].peak_bytes
+    budget = memory_plan.fastest_under(floor // 2, measure=measure)
+    assert not budget.fits
+    assert budget.measured_seconds == ()
+
+
+@pytest.mark.parametrize("returned", [[1.0], [1.0, 0.0], [1.0, float("nan")], [1.0, -2.0]])
+def test_a_measure_that_returns_no_time_per_plan_is_named(returned: list[float]) -> None:
+    memory_plan = _plan()
+    with pytest.raises(ValueError, match=r"measure= must return one positive, finite"):
+        memory_plan.fastest_under(
+            memory_plan["none"].peak_bytes * 2, device=FREE_POLICY, measure=lambda _: returned
+        )
+
+
 def test_calibration_is_cached_per_device_and_torch_and_refreshed_on_request(
     tmp_path: Any,
 ) -> None:

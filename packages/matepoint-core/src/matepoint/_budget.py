@@ -32,13 +32,24 @@ Note [The budget search]
     has no use for the memory they free. A step is planned per try: one profile, then at most a
     few per kind. Before torch 2.11, whose selective checkpointing has no offload values, a plan
     keeps or recomputes only.
+
+Note [Measured finalists]
+    The time model's least certain term is the policy's host cost: how much of it the
+    device's work hides depends on the host's speed and the model's op sizes (a policy the
+    model charged in full cost a half to a third of that on one H200 host, and more on
+    another). Given ``measure``, the search does not decide on that estimate: where it found a
+    plan with a policy, it hands two finalists, that plan and the best without a policy (each
+    with the checkpoint inputs held on the device where that fits), to ``measure``, which times
+    them on the real model, and returns the faster. A search that found no policy worth
+    trying measures nothing.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -186,6 +197,8 @@ class BudgetPlan:
             aside): the budget that would fit when nothing did.
         kinds: The kinds of op ranked, best first.
         strategy_plan: The chosen step's full plan (a :class:`matepoint.StrategyPlan`).
+        measured_seconds: The measured step times of the search's finalists, this plan's
+            (the fastest) first (Note [Measured finalists]); empty when none were measured.
     """
 
     budget_bytes: int
@@ -204,6 +217,7 @@ class BudgetPlan:
     smallest_budget_bytes: int
     kinds: tuple[KindProfile, ...]
     strategy_plan: StrategyPlan = dataclasses.field(repr=False, compare=False)
+    measured_seconds: tuple[float, ...] = ()
 
     def policy(self, region: int = 0) -> Callable[..., Any]:
         """A selective-checkpoint policy for one checkpoint call: ``policy(ctx, op, *args)``.
@@ -239,6 +253,12 @@ class BudgetPlan:
             f"({self.step_seconds / self.every_block_seconds:.3f})",
             f"  look-ahead (prefetch) {self.prefetch}",
         ]
+        if self.measured_seconds:
+            lines.append(
+                "  measured "
+                + " against ".join(f"{value * 1e3:.1f} ms" for value in self.measured_seconds)
+                + " for the other finalist: chosen as the fastest"
+            )
         if not self.fits:
             lines.append(
                 f"  the smallest budget that fits: {self.smallest_budget_bytes / _GIB:.2f} GiB"
@@ -274,6 +294,7 @@ def fastest_under(
     host_budget_bytes: int | None,
     ranks_per_node: int,
     device: DeviceModel,
+    measure: Callable[[Sequence[BudgetPlan]], Sequence[float]] | None = None,
 ) -> BudgetPlan:
     """Search keep / offload / recompute per kind of op; see Note [The budget search].
 
@@ -285,6 +306,8 @@ def fastest_under(
         host_budget_bytes: Pinned host RAM one node may use, or None for no limit.
         ranks_per_node: Ranks sharing a node's host RAM.
         device: The time model's device.
+        measure: Times plans on the real device (Note [Measured finalists]), or None to
+            trust the time model.
 
     Returns:
         The plan.
@@ -365,36 +388,60 @@ def fastest_under(
             if fits(tried) and tried.seconds < best.seconds:
                 best, kept_in_last = tried, trial_last
                 break
-    if decisions or kept_in_last:
-        with_policy = step_seconds(best.plan, device, best.settings.prefetch, policy_ops)
-        if with_policy < plain.seconds:
-            best = best._replace(seconds=with_policy)
-        else:  # the recompute it saves does not pay for the policy's host time
-            best, decisions, kept_in_last = plain, {}, {}
-    smallest_tried = smallest  # the on-device step below was never counted in it
-    if "offload" not in decisions.values():
-        # Note [The budget search]: no link at all where the budget holds the inputs too.
-        on_device = dataclasses.replace(
-            best.settings, min_offload_bytes=baseline.plan.bytes_to_host + 1
+    smallest_tried = smallest  # the on-device steps below are never counted in it
+
+    def finish(trial: _Trial, chosen: dict[str, Decision], last: dict[str, int]) -> BudgetPlan:
+        """The plan of ``trial``, its inputs held on the device if that fits and is no slower."""
+        if "offload" not in chosen.values():
+            # Note [The budget search]: no link at all where the budget holds the inputs too.
+            on_device = dataclasses.replace(
+                trial.settings, min_offload_bytes=baseline.plan.bytes_to_host + 1
+            )
+            tried = attempt(chosen, last, on_device, policy_cost=True)
+            if fits(tried) and tried.seconds <= trial.seconds:
+                trial = tried
+        return BudgetPlan(
+            budget_bytes=budget_bytes,
+            host_budget_bytes=host_budget_bytes,
+            ranks_per_node=ranks_per_node,
+            fits=fits(trial),
+            decisions=tuple(sorted(chosen.items())),
+            kept_in_last=tuple(sorted(last.items())),
+            regions=regions,
+            prefetch=trial.settings.prefetch,
+            min_offload_bytes=trial.settings.min_offload_bytes,
+            peak_bytes=trial.plan.peak_bytes,
+            pinned_bytes_per_node=trial.plan.pinned_bytes * ranks_per_node,
+            step_seconds=trial.seconds,
+            every_block_seconds=baseline.seconds,
+            smallest_budget_bytes=smallest_tried,
+            kinds=tuple(kinds),
+            strategy_plan=trial.plan,
         )
-        tried = attempt(decisions, kept_in_last, on_device, policy_cost=True)
-        if fits(tried) and tried.seconds <= best.seconds:
-            best = tried
-    return BudgetPlan(
-        budget_bytes=budget_bytes,
-        host_budget_bytes=host_budget_bytes,
-        ranks_per_node=ranks_per_node,
-        fits=fits(best),
-        decisions=tuple(sorted(decisions.items())),
-        kept_in_last=tuple(sorted(kept_in_last.items())),
-        regions=regions,
-        prefetch=best.settings.prefetch,
-        min_offload_bytes=best.settings.min_offload_bytes,
-        peak_bytes=best.plan.peak_bytes,
-        pinned_bytes_per_node=best.plan.pinned_bytes * ranks_per_node,
-        step_seconds=best.seconds,
-        every_block_seconds=baseline.seconds,
-        smallest_budget_bytes=smallest_tried,
-        kinds=tuple(kinds),
-        strategy_plan=best.plan,
+
+    if not (decisions or kept_in_last):
+        return finish(plain, {}, {})
+    charged = best._replace(
+        seconds=step_seconds(best.plan, device, best.settings.prefetch, policy_ops)
     )
+    if measure is not None:  # Note [Measured finalists]
+        return _measured((finish(charged, decisions, kept_in_last), finish(plain, {}, {})), measure)
+    if charged.seconds < plain.seconds:
+        return finish(charged, decisions, kept_in_last)
+    return finish(plain, {}, {})  # the recompute it saves does not pay for the policy's host time
+
+
+def _measured(
+    finalists: tuple[BudgetPlan, ...],
+    measure: Callable[[Sequence[BudgetPlan]], Sequence[float]],
+) -> BudgetPlan:
+    """The finalist ``measure`` times fastest, with the times (Note [Measured finalists])."""
+    seconds = [float(value) for value in measure(finalists)]
+    if len(seconds) != len(finalists) or not all(0 < value < math.inf for value in seconds):
+        raise ValueError(
+            "measure= must return one positive, finite step time in seconds per plan it is "
+            f"given ({len(finalists)}); got {seconds}"
+        )
+    fastest = min(range(len(finalists)), key=seconds.__getitem__)
+    others = [value for index, value in enumerate(seconds) if index != fastest]
+    return dataclasses.replace(finalists[fastest], measured_seconds=(seconds[fastest], *others))
