@@ -410,6 +410,12 @@ def test_measured_finalists_decide_whatever_the_time_model_says(
         with_policy if policy_faster else without
     )
     assert budget.measured_seconds == (0.5, 0.7)
+    # A finalist that could not run (out of memory) is measured as math.inf, never chosen.
+    for out_of_memory in range(2):
+        times = [0.5, 0.5]
+        times[out_of_memory] = float("inf")
+        ran = memory_plan.fastest_under(roomy, device=device, measure=lambda _, t=times: t)
+        assert bool(ran.decisions) == (out_of_memory == 1)
     assert "measured 500.0 ms against 700.0 ms" in str(budget)
     unmeasured = memory_plan.fastest_under(roomy, device=device)
     assert unmeasured.measured_seconds == ()
@@ -428,10 +434,21 @@ def test_nothing_is_measured_when_the_search_found_no_policy_to_try() -> None:
     assert budget.measured_seconds == ()
 
 
-@pytest.mark.parametrize("returned", [[1.0], [1.0, 0.0], [1.0, float("nan")], [1.0, -2.0]])
-def test_a_measure_that_returns_no_time_per_plan_is_named(returned: list[float]) -> None:
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        ([1.0], "must return one positive step time"),
+        ([1.0, 0.0], "must return one positive step time"),
+        ([1.0, float("nan")], "must return one positive step time"),
+        ([1.0, -2.0], "must return one positive step time"),
+        ([float("inf")] * 2, "could run none of the 2 plans"),
+    ],
+)
+def test_a_measure_that_returns_no_time_per_plan_is_named(
+    returned: list[float], message: str
+) -> None:
     memory_plan = _plan()
-    with pytest.raises(ValueError, match=r"measure= must return one positive, finite"):
+    with pytest.raises(ValueError, match=f"measure= {message}"):
         memory_plan.fastest_under(
             memory_plan["none"].peak_bytes * 2, device=FREE_POLICY, measure=lambda _: returned
         )

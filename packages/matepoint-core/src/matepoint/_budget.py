@@ -40,8 +40,8 @@ Note [Measured finalists]
     another). Given ``measure``, the search does not decide on that estimate: where it found a
     plan with a policy, it hands two finalists, that plan and the best without a policy (each
     with the checkpoint inputs held on the device where that fits), to ``measure``, which times
-    them on the real model, and returns the faster. A search that found no policy worth
-    trying measures nothing.
+    them on the real model (``math.inf`` for one that could not run, out of memory), and
+    returns the faster. A search that found no policy worth trying measures nothing.
 """
 
 from __future__ import annotations
@@ -437,11 +437,13 @@ def _measured(
 ) -> BudgetPlan:
     """The finalist ``measure`` times fastest, with the times (Note [Measured finalists])."""
     seconds = [float(value) for value in measure(finalists)]
-    if len(seconds) != len(finalists) or not all(0 < value < math.inf for value in seconds):
+    if len(seconds) != len(finalists) or not all(value > 0 for value in seconds):
         raise ValueError(
-            "measure= must return one positive, finite step time in seconds per plan it is "
-            f"given ({len(finalists)}); got {seconds}"
+            "measure= must return one positive step time in seconds per plan it is given "
+            f"({len(finalists)}), math.inf for a plan that could not run; got {seconds}"
         )
+    if min(seconds) == math.inf:
+        raise ValueError(f"measure= could run none of the {len(finalists)} plans it was given")
     fastest = min(range(len(finalists)), key=seconds.__getitem__)
     others = [value for index, value in enumerate(seconds) if index != fastest]
     return dataclasses.replace(finalists[fastest], measured_seconds=(seconds[fastest], *others))
