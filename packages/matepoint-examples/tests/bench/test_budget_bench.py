@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+import matepoint
 from matepoint_examples.bench import budget
 
 pytestmark = pytest.mark.skipif(
@@ -130,3 +134,36 @@ def test_where_torch_runs_out_of_memory_the_table_gives_the_ratio_to_matepoint(
     torch_row, plan_row = lines[2].split(), lines[4].split()
     assert torch_row[:3] == ["torch", "-", "-"]
     assert plan_row == ["budget@24GiB", "-", "0.950", "[0.940-0.960]", "22.00", "22.00"]
+
+
+def test_the_finalists_are_measured_alternately_and_one_out_of_memory_is_infinite() -> None:
+    memory_plan = budget._plan(budget.WORKLOADS["llama-tiny"])
+    roomy = memory_plan["none"].peak_bytes * 2
+    free_policy = matepoint.DeviceModel(peak_flops=1e12, policy_seconds_per_op=0)
+    given: list[Sequence[matepoint.BudgetPlan]] = []
+
+    def capture(plans: Sequence[matepoint.BudgetPlan]) -> list[float]:
+        given.append(plans)
+        return [1.0, 2.0]
+
+    memory_plan.fastest_under(roomy, device=free_policy, measure=capture)
+    [finalists] = given
+
+    class Runner:
+        """Steps of 0.25 s, but the second finalist runs out of memory (NaN, as _Runner says)."""
+
+        def __init__(self) -> None:
+            self.settings: dict[str, dict[str, Any]] = {}
+            self.steps: list[str] = []
+
+        def step(self, name: str, checkpoint_fn: Any) -> tuple[float, int]:
+            self.steps.append(name)
+            return (math.nan, -1) if name == "finalist 1" else (0.25, 1)
+
+    runner = Runner()
+    seconds = budget._measure_finalists(runner, rounds=2)(finalists)  # type: ignore[arg-type]
+    assert seconds == [0.25, math.inf]
+    # A warm-up round, then two, each finalist once per round, the order alternating.
+    first, second = "finalist 0", "finalist 1"
+    assert runner.steps == [first, second, second, first, first, second]
+    assert runner.settings["finalist 0"] == finalists[0].settings_changes()

@@ -6,13 +6,15 @@ nanochat12, or a Hugging Face Llama) and one AdamW optimizer, measures torch's c
 checkpoint once, plans a budget step on the meta device for each budget (``--budgets``: torch
 checkpoint's measured peak, halfway to no checkpoint's, or a fixed size such as ``24GiB``;
 ``--device-memory 24GiB`` caps the process there with
-``torch.cuda.set_per_process_memory_fraction``), then runs every strategy alternately, step by
-step (see ``matepoint_examples.bench._paired`` for why), and reports per strategy the median
-per-round step ratio to torch's checkpoint [interquartile range], the measured peak, and for the
-budget plans the predicted peak. A strategy that runs out of memory is reported without a ratio.
-``--compiled`` adds torch's compiled ``activation_memory_budget`` at each budget, for reference.
-``--plot frontier.png report.json ...`` draws step ratio against peak memory from saved reports,
-without a GPU.
+``torch.cuda.set_per_process_memory_fraction``) with the search's two finalists measured on the
+GPU (Note [Measured finalists] in ``matepoint._budget``; where the time model alone would have
+chosen otherwise, its plan runs too, as ``budget@... model``), then runs every strategy
+alternately, step by step (see ``matepoint_examples.bench._paired`` for why), and reports per
+strategy the median per-round step ratio to torch's checkpoint [interquartile range], the
+measured peak, and for the budget plans the predicted peak. A strategy that runs out of memory
+is reported without a ratio. ``--compiled`` adds torch's compiled ``activation_memory_budget``
+at each budget, for reference. ``--plot frontier.png report.json ...`` draws step ratio against
+peak memory from saved reports, without a GPU.
 
 Note [Calibrating the planned peak]
     The planner plans forward and backward of the stack. A training step also holds the
@@ -33,6 +35,7 @@ import dataclasses
 import functools
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -310,6 +313,43 @@ class _Runner:
         return time.perf_counter() - start, torch.cuda.max_memory_allocated()
 
 
+def _checkpoint_fn(plan: matepoint.BudgetPlan) -> CheckpointFn:
+    """``matepoint.checkpoint`` with ``plan``'s policy (its settings go to ``_Runner.settings``)."""
+    context_fn = plan.context_fn()
+    extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
+    return functools.partial(matepoint.checkpoint, use_reentrant=False, **extra)
+
+
+def _choice(plan: matepoint.BudgetPlan) -> tuple[Any, ...]:
+    """What a plan does: its decisions, where it keeps, and its settings."""
+    return plan.decisions, plan.kept_in_last, plan.settings_changes()
+
+
+def _measure_finalists(
+    runner: _Runner, rounds: int = 4
+) -> Callable[[Sequence[matepoint.BudgetPlan]], list[float]]:
+    """A ``measure=`` for the budget search: the finalists' steps alternated, median seconds.
+
+    One warm-up round, then ``rounds``; a finalist that runs out of memory measures
+    ``math.inf`` (Note [Measured finalists] in ``matepoint._budget``).
+    """
+
+    def measure(plans: Sequence[matepoint.BudgetPlan]) -> list[float]:
+        finalists: dict[str, CheckpointFn] = {}
+        for index, plan in enumerate(plans):
+            finalists[f"finalist {index}"] = _checkpoint_fn(plan)
+            runner.settings[f"finalist {index}"] = plan.settings_changes()
+        times: dict[str, list[float]] = {name: [] for name in finalists}
+        for round_index in range(1 + rounds):
+            for name in round_order(list(finalists), round_index):
+                seconds = runner.step(name, finalists[name])[0]
+                if round_index:
+                    times[name].append(math.inf if math.isnan(seconds) else seconds)
+        return [statistics.median(times[name]) for name in finalists]
+
+    return measure
+
+
 def _plan(workload: BudgetWorkload) -> matepoint.MemoryPlan:
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -364,24 +404,33 @@ def run(
     budgets = _budgets(budget_names, measured_peaks)
     plans: dict[str, dict[str, Any]] = {}
     for name, budget in budgets.items():
+        # The time model's own choice, then the search again with its finalists measured here.
         started = time.perf_counter()
-        budget_plan = memory_plan.fastest_under(budget - states, device=device_model)
+        model_plan = memory_plan.fastest_under(budget - states, device=device_model)
+        search_seconds = time.perf_counter() - started
+        budget_plan = memory_plan.fastest_under(
+            budget - states, device=device_model, measure=_measure_finalists(runner)
+        )
         plans[name] = {
             "budget_bytes": budget,
             "fits": budget_plan.fits,
+            "model_decisions": dict(model_plan.decisions),
+            "model_kept_in_last": dict(model_plan.kept_in_last),
+            "measured_finalist_seconds": list(budget_plan.measured_seconds),
             "decisions": dict(budget_plan.decisions),
             "kept_in_last": dict(budget_plan.kept_in_last),
             "settings": budget_plan.settings_changes(),
             "predicted_peak_bytes": predicted(budget_plan.peak_bytes),
             "smallest_budget_bytes": predicted(budget_plan.smallest_budget_bytes),
             "estimated_step_ratio": budget_plan.step_seconds / budget_plan.every_block_seconds,
-            "search_seconds": time.perf_counter() - started,
+            "search_seconds": search_seconds,
         }
         print(budget_plan, flush=True)
-        context_fn = budget_plan.context_fn()
-        extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
-        strategies[name] = functools.partial(matepoint.checkpoint, use_reentrant=False, **extra)
+        strategies[name] = _checkpoint_fn(budget_plan)
         runner.settings[name] = budget_plan.settings_changes()
+        if _choice(model_plan) != _choice(budget_plan):
+            strategies[f"{name} model"] = _checkpoint_fn(model_plan)
+            runner.settings[f"{name} model"] = model_plan.settings_changes()
         if compiled and min(measured_peaks.values()) > 0:
             # torch's knob is a fraction of what recomputing nothing would hold.
             span = measured_peaks["none"] - measured_peaks["torch"]
