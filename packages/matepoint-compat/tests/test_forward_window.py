@@ -8,6 +8,7 @@ ids are plain numbers here (nothing runs: the graphs are only rearranged).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,12 @@ import torch
 
 import matepoint_compat as compat
 from matepoint_compat._compile import _forward_window, _scope
+
+_STREAM_SETTINGS = (
+    "activation_offload_separate_stream",
+    "activation_offload_sink_wait",
+    "activation_reload_prefetch",
+)
 
 pytestmark = pytest.mark.skipif(
     not compat.COMPILED_OFFLOAD, reason="this torch has no compiled activation offloading"
@@ -156,7 +163,12 @@ def test_waits_move_as_far_as_the_bounds_allow(
 ) -> None:
     graph, _ = forward_graph(sizes)
     copied = copies_of(graph)
+    before = dataclasses.replace(compat.FORWARD_WINDOW_COUNTS)
     assert compat.bound_forward_waits(graph, bound, copies) == moved
+    # The process's counts add the graph, its copies and the waits moved.
+    after = compat.FORWARD_WINDOW_COUNTS
+    added = (after.graphs - before.graphs, after.copies - before.copies)
+    assert (*added, after.waits_moved - before.waits_moved) == (1, len(copied), moved)
     graph.lint()
     result = layout(graph, copied)
     assert result["waits"] == waits
@@ -185,9 +197,16 @@ def test_a_graph_of_unexpected_shape_keeps_torchs_placement() -> None:
     assert [node.name for node in graph.nodes] == before
 
 
+def empty_graph() -> torch.fx.GraphModule:
+    return torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+
+
 @pytest.fixture
 def fake_offloading(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """torch's ``enable_activation_offloading`` replaced by one that records the window asked."""
+    """torch's ``enable_activation_offloading`` replaced by one that records the window asked;
+    the AOTAutograd settings that ``compiled_offload_config`` sets restored afterwards."""
+    import torch._functorch.config as config
+
     module = _offloading_module()
     seen: list[int] = []
     monkeypatch.setattr(module, "enable_activation_offloading", lambda *args, **kwargs: None)
@@ -196,24 +215,24 @@ def fake_offloading(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         "bound_forward_waits",
         lambda graph, bound: seen.append(bound) or 0,
     )
+    saved = {name: getattr(config, name) for name in _STREAM_SETTINGS}
     yield seen
-    _scope._PENDING.max_inflight_bytes = None
-    _scope._PENDING.matepoint_graph = False
+    for name, value in saved.items():
+        setattr(config, name, value)
+    _scope._REQUEST.copies = None
 
 
 def test_a_window_asked_for_reaches_only_the_next_graph(fake_offloading: list[int]) -> None:
     module = _offloading_module()
-    forward = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
-    compat.set_forward_window(1234)
+    forward = empty_graph()
+    compat.compiled_offload_config(pipelined=True, max_inflight_bytes=1234)
     wrapped = module.enable_activation_offloading
     assert wrapped.matepoint_wrapper
-    compat.set_forward_window(1234)  # wraps torch's function once only
+    compat.compiled_offload_config(pipelined=True, max_inflight_bytes=1234)  # wraps it once only
     assert module.enable_activation_offloading is wrapped
-    graphs = compat.FORWARD_WINDOW_COUNTS.graphs
-    wrapped(forward, None, 0, set())
-    wrapped(forward, None, 0, set())
+    wrapped(forward, empty_graph(), 0, set())
+    wrapped(forward, empty_graph(), 0, set())
     assert fake_offloading == [1234]
-    assert compat.FORWARD_WINDOW_COUNTS.graphs == graphs + 1
 
 
 def test_a_window_asked_for_in_one_thread_does_not_reach_another(
@@ -226,38 +245,24 @@ def test_a_window_asked_for_in_one_thread_does_not_reach_another(
     monkeypatch.setattr(
         _forward_window, "bound_forward_waits", lambda graph, bound: reached.append(graph) or 0
     )
-    mine, theirs = (torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()) for _ in range(2))
-    compat.set_forward_window(1234)
+    mine, theirs = empty_graph(), empty_graph()
+    compat.compiled_offload_config(pipelined=True, max_inflight_bytes=1234)
     other = threading.Thread(
-        target=module.enable_activation_offloading, args=(theirs, None, 0, set())
+        target=module.enable_activation_offloading, args=(theirs, empty_graph(), 0, set())
     )
     other.start()
     other.join()
-    module.enable_activation_offloading(mine, None, 0, set())
+    module.enable_activation_offloading(mine, empty_graph(), 0, set())
     assert reached == [mine.graph]  # the graph of the thread that asked
 
 
 def test_the_config_asks_for_the_window_with_the_transfer_stream_only(
     fake_offloading: list[int],
 ) -> None:
-    import torch._functorch.config as config
-
-    saved = {
-        name: getattr(config, name)
-        for name in (
-            "activation_offload_separate_stream",
-            "activation_offload_sink_wait",
-            "activation_reload_prefetch",
-        )
-    }
-    try:
-        forward = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
-        for pipelined, bound in [(False, 4096), (True, 0), (True, 4096)]:
-            compat.compiled_offload_config(pipelined=pipelined, max_inflight_bytes=bound)
-            _offloading_module().enable_activation_offloading(forward, None, 0, set())
-        # Synchronous copies: torch's graph as it is; with the stream, bound 0 too (torch's
-        # placement, with 2.11's copies made safe).
-        assert fake_offloading == [0, 4096]
-    finally:
-        for name, value in saved.items():
-            setattr(config, name, value)
+    forward = empty_graph()
+    for pipelined, bound in [(False, 4096), (True, 0), (True, 4096)]:
+        compat.compiled_offload_config(pipelined=pipelined, max_inflight_bytes=bound)
+        _offloading_module().enable_activation_offloading(forward, empty_graph(), 0, set())
+    # Synchronous copies: torch's graph as it is; with the stream, bound 0 too (torch's
+    # placement, with 2.11's copies made safe).
+    assert fake_offloading == [0, 4096]

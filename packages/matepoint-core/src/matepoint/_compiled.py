@@ -65,6 +65,7 @@ Note [The compiled path]
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -83,7 +84,7 @@ __all__ = ["checkpoint"]
 # OffloadOptions as (field, value) pairs (Dynamo passes only constants to a trace-time function,
 # and an OffloadOptions built inside the compiled code is not one).
 _OffloadChoice = bool | None | tuple[tuple[str, Any], ...]
-_OFFLOAD_FIELDS = ("enabled", "pipeline", "min_offload_bytes", "deprecated_settings")
+_OFFLOAD_FIELDS = tuple(field.name for field in dataclasses.fields(OffloadOptions))
 
 
 class _ContextFns:

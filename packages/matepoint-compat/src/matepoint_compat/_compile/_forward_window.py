@@ -152,8 +152,10 @@ def bound_forward_waits(
     Returns:
         How many waits moved: every copy within the bytes bound (each waits for it either before
         a later copy starts or at the end). A graph left as it is gets a ``RuntimeWarning``
-        naming what was unexpected.
+        naming what was unexpected. The graph, its copies and the waits moved are added to
+        :data:`FORWARD_WINDOW_COUNTS`.
     """
+    FORWARD_WINDOW_COUNTS.graphs += 1
     nodes = list(graph.nodes)
     try:
         copies = find_copies(nodes)
@@ -165,6 +167,7 @@ def bound_forward_waits(
             stacklevel=2,
         )
         return 0
+    FORWARD_WINDOW_COUNTS.copies += len(copies)
     for copy in copies:
         if copy.record_stream is not None:
             copy.start.prepend(copy.record_stream)
@@ -182,7 +185,9 @@ def bound_forward_waits(
     output = next(node for node in reversed(nodes) if node.op == "output")
     for copy in pending:
         _move_wait(copy, output)
-    return sum(copy.nbytes <= max_inflight_bytes for copy in copies)
+    moved = sum(copy.nbytes <= max_inflight_bytes for copy in copies)
+    FORWARD_WINDOW_COUNTS.waits_moved += moved
+    return moved
 
 
 @dataclass
@@ -190,7 +195,7 @@ class ForwardWindowCounts:
     """What the forward copy window did in this process (for reports and tests).
 
     Args:
-        graphs: Forward graphs matepoint asked a window for.
+        graphs: Forward graphs matepoint asked a window for (bound 0 included).
         copies: Copies to the host found in them.
         waits_moved: Waits moved later (see Note [The forward copy window]).
     """

@@ -20,7 +20,7 @@ Note [Compile settings are scoped]
 After the copies: torch's partitioner calls ``enable_activation_offloading`` (looked up in its
 module at each call) right after the joint-graph pass; a wrapper installed once per process runs
 it, then, for a graph matepoint's pass marked (and only for that one: the request is taken and
-cleared, :func:`set_forward_window`), has inductor keep the graphs' order (Note [Inductor's
+cleared, :func:`compiled_offload_config`), has inductor keep the graphs' order (Note [Inductor's
 peak-memory reorder]), bounds the forward waits (Note [The forward copy window]) and puts in the
 count ops (Note [Counting compiled copies]). The wrapper changes nothing for other graphs.
 """
@@ -36,16 +36,10 @@ from typing import Any
 import torch
 
 from matepoint_compat._compile import _forward_window, _torch_names
-from matepoint_compat._compile._forward_window import FORWARD_WINDOW_COUNTS, find_copies
 from matepoint_compat._compile._inductor_order import keep_order
 from matepoint_compat._compile._traffic import count_graph_copies, count_op
 
-__all__ = [
-    "close_compile_scope",
-    "compiled_offload_config",
-    "open_compile_scope",
-    "set_forward_window",
-]
+__all__ = ["close_compile_scope", "compiled_offload_config", "open_compile_scope"]
 
 _JointPass = Callable[[torch.fx.GraphModule, Any], torch.fx.GraphModule]
 
@@ -94,7 +88,8 @@ def close_compile_scope(compile_end: object = None) -> None:
 
 
 def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> None:
-    """Choose how the partitioner moves the marked values, for the graph being compiled.
+    """Choose how the partitioner moves the marked values, and matepoint's treatment of the
+    graph whose joint pass is running now.
 
     ``pipelined``: copies on torch's transfer stream into pinned memory, backward's reloads moved
     earlier by estimated transfer time (``activation_offload_separate_stream``,
@@ -109,6 +104,12 @@ def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> 
     marked values. On torch 2.11, choosing the transfer stream first mends its ``record_stream``
     op (``_torch_names.mend_record_stream``).
 
+    The partitioner of the same graph calls torch's ``enable_activation_offloading`` right after
+    the joint pass; that call (wrapped here, once per process) takes this request and clears it,
+    so it never reaches another graph. Every marked graph gets inductor's order kept and the
+    count ops; the forward copy window only with ``pipelined`` (bound ``0``: torch's placement,
+    with 2.11's copies made safe).
+
     Args:
         pipelined: Copy on the transfer stream (else synchronously on the compute stream).
         max_inflight_bytes: With ``pipelined``, the forward copy window's bound in bytes.
@@ -119,65 +120,44 @@ def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> 
     setattr(config, _torch_names.SEPARATE_STREAM_SETTING, pipelined)
     setattr(config, _torch_names.SINK_WAIT_SETTING, False)
     setattr(config, _torch_names.RELOAD_PREFETCH_SETTING, pipelined)
-    set_forward_window(max_inflight_bytes if pipelined else None)
+    _torch_names.wrap_once(_torch_names.OFFLOADING_ENTRY, _wrap)
+    _REQUEST.copies = (pipelined, max_inflight_bytes)
 
 
-class _Pending(threading.local):
-    """What matepoint asked for the forward graph being partitioned now, if anything.
+class _Request(threading.local):
+    """What matepoint's joint pass asked for the forward graph being partitioned now, if anything.
 
     Per thread: a graph's joint pass and its partitioner run in the thread that compiles it.
     """
 
-    max_inflight_bytes: int | None = None
-    matepoint_graph: bool = False
-    """Whether matepoint's joint pass marked values of this graph (with or without a window)."""
+    copies: tuple[bool, int] | None = None
+    """``(pipelined, max_inflight_bytes)`` of :func:`compiled_offload_config`; None where
+    matepoint's joint pass marked nothing in this graph."""
 
 
-_PENDING = _Pending()
+_REQUEST = _Request()
 
 
 def _wrap(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def enable_activation_offloading(
-        fwd_module: torch.fx.GraphModule, *args: Any, **kwargs: Any
+        fwd_module: torch.fx.GraphModule,
+        bwd_module: torch.fx.GraphModule,
+        *args: Any,
+        **kwargs: Any,
     ) -> None:
-        window, _PENDING.max_inflight_bytes = _PENDING.max_inflight_bytes, None
-        matepoint_graph, _PENDING.matepoint_graph = _PENDING.matepoint_graph, False
-        original(fwd_module, *args, **kwargs)
-        if not matepoint_graph:
+        request, _REQUEST.copies = _REQUEST.copies, None
+        original(fwd_module, bwd_module, *args, **kwargs)
+        if request is None:
             return
-        backward = args[0] if args else kwargs.get("bwd_module")
-        keep_order(fwd_module, *([backward] if backward is not None else []))
-        if window is not None:
-            FORWARD_WINDOW_COUNTS.graphs += 1
-            with contextlib.suppress(_forward_window.UnexpectedShape):  # warned of below
-                FORWARD_WINDOW_COUNTS.copies += len(find_copies(list(fwd_module.graph.nodes)))
+        pipelined, max_inflight_bytes = request
+        keep_order(fwd_module, bwd_module)
+        if pipelined:
             # Looked up at each call: tests wrap it.
-            FORWARD_WINDOW_COUNTS.waits_moved += _forward_window.bound_forward_waits(
-                fwd_module.graph, window
-            )
+            _forward_window.bound_forward_waits(fwd_module.graph, max_inflight_bytes)
             fwd_module.graph.lint()
             fwd_module.recompile()
         count_graph_copies(fwd_module, to_host=True)
-        if backward is not None:
-            count_graph_copies(backward, to_host=False)
+        count_graph_copies(bwd_module, to_host=False)
 
     return enable_activation_offloading
-
-
-def set_forward_window(max_inflight_bytes: int | None) -> None:
-    """Ask for matepoint's treatment of the graph whose joint pass is running now.
-
-    Called from matepoint's joint-graph pass, which runs right before the partitioner of the same
-    graph calls torch's ``enable_activation_offloading``; that call (wrapped here, once per
-    process) takes the request and clears it, so it never reaches another graph. Every marked
-    graph gets inductor's order kept and the count ops; the window only where asked.
-
-    Args:
-        max_inflight_bytes: The forward copy window's bound (``0``: torch's placement, with
-            2.11's copies made safe), or ``None`` to leave torch's placement as it is
-            (synchronous copies).
-    """
-    _torch_names.wrap_once(_torch_names.OFFLOADING_ENTRY, _wrap)
-    _PENDING.max_inflight_bytes = max_inflight_bytes
-    _PENDING.matepoint_graph = True
