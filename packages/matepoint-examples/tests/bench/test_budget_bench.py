@@ -150,20 +150,29 @@ def test_the_finalists_are_measured_alternately_and_one_out_of_memory_is_infinit
     [finalists] = given
 
     class Runner:
-        """Steps of 0.25 s, but the second finalist runs out of memory (NaN, as _Runner says)."""
+        """Steps of 0.2 s and 0.3 s, the host twice as slow in the last round; or the second
+        finalist runs out of memory (NaN, as ``_Runner.step`` says)."""
 
-        def __init__(self) -> None:
+        def __init__(self, out_of_memory: bool) -> None:
             self.settings: dict[str, dict[str, Any]] = {}
             self.steps: list[str] = []
+            self.out_of_memory = out_of_memory
 
         def step(self, name: str, checkpoint_fn: Any) -> tuple[float, int]:
             self.steps.append(name)
-            return (math.nan, -1) if name == "finalist 1" else (0.25, 1)
+            if name == "finalist 1" and self.out_of_memory:
+                return math.nan, -1
+            slow = 2 if len(self.steps) > 4 else 1
+            return (0.2 if name == "finalist 0" else 0.3) * slow, 1
 
-    runner = Runner()
-    seconds = budget._measure_finalists(runner, rounds=2)(finalists)  # type: ignore[arg-type]
-    assert seconds == [0.25, math.inf]
+    runner = Runner(out_of_memory=False)
+    measure = budget._measure_finalists(runner, rounds=2)  # type: ignore[arg-type]
+    # Paired: the last round's slow host moves both times, not their ratio.
+    assert measure(finalists) == pytest.approx([0.3, 0.45])
     # A warm-up round, then two, each finalist once per round, the order alternating.
     first, second = "finalist 0", "finalist 1"
     assert runner.steps == [first, second, second, first, first, second]
+    runner = Runner(out_of_memory=True)
+    measure = budget._measure_finalists(runner, rounds=2)  # type: ignore[arg-type]
+    assert measure(finalists) == [pytest.approx(0.3), math.inf]
     assert runner.settings["finalist 0"] == finalists[0].settings_changes()

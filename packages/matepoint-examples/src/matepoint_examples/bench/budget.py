@@ -326,12 +326,15 @@ def _choice(plan: matepoint.BudgetPlan) -> tuple[Any, ...]:
 
 
 def _measure_finalists(
-    runner: _Runner, rounds: int = 4
+    runner: _Runner, rounds: int = 8
 ) -> Callable[[Sequence[matepoint.BudgetPlan]], list[float]]:
-    """A ``measure=`` for the budget search: the finalists' steps alternated, median seconds.
+    """A ``measure=`` for the budget search: the finalists' steps alternated, paired.
 
-    One warm-up round, then ``rounds``; a finalist that runs out of memory measures
-    ``math.inf`` (Note [Measured finalists] in ``matepoint._budget``).
+    One warm-up round, then ``rounds``. A finalist's time is a reference finalist's median step
+    times the median of its per-round ratios to that reference (the pairing the other
+    strategies are compared with; a median of each one's own times mixes the host's drift into
+    the comparison); one that ran out of memory in any round measures ``math.inf`` (Note
+    [Measured finalists] in ``matepoint._budget``).
     """
 
     def measure(plans: Sequence[matepoint.BudgetPlan]) -> list[float]:
@@ -339,13 +342,22 @@ def _measure_finalists(
         for index, plan in enumerate(plans):
             finalists[f"finalist {index}"] = _checkpoint_fn(plan)
             runner.settings[f"finalist {index}"] = plan.settings_changes()
-        times: dict[str, list[float]] = {name: [] for name in finalists}
+        times: dict[str, list[float | None]] = {name: [] for name in finalists}
         for round_index in range(1 + rounds):
             for name in round_order(list(finalists), round_index):
                 seconds = runner.step(name, finalists[name])[0]
                 if round_index:
-                    times[name].append(math.inf if math.isnan(seconds) else seconds)
-        return [statistics.median(times[name]) for name in finalists]
+                    times[name].append(None if math.isnan(seconds) else seconds)
+        ran = [name for name in finalists if None not in times[name]]
+        if not ran:
+            return [math.inf] * len(plans)
+        reference = ran[0]
+        base = statistics.median(value for value in times[reference] if value is not None)
+        ratios = per_round_ratios(times, reference)
+        return [
+            base * statistics.median(ratios[name]) if name in ran else math.inf
+            for name in finalists
+        ]
 
     return measure
 
