@@ -4,6 +4,11 @@ One ``ChannelEngine`` per device (per transport channel) owns that device's reco
 originals (stash and copies in flight), its pinned pool and its counters. ``matepoint._saving``
 hands it the saved inputs that move; ``matepoint._registry`` keeps one per channel.
 
+A :class:`Record` is what the engine knows about one offloaded tensor. It is the object
+matepoint's pack hook returns to autograd, so autograd owns its lifetime: it dies with the graph
+(after backward, or when the graph is dropped), and its death returns the host block. See Note
+[Record lifetime].
+
 Note [Weak record tables]
     The engine looks records up by pack sequence (``_records``) and by dedupe key (``_by_key``)
     in ``WeakValueDictionary`` objects, so a record autograd drops leaves them by itself, without
@@ -11,11 +16,20 @@ Note [Weak record tables]
     two: a record dying on another thread (autograd's device threads) could change them under
     the iteration. What it iterates, the held originals and the shared records, are plain lists
     of weak references, changed only under the lock, whose dead entries it drops itself.
+
+Note [Record lifetime]
+    Records are referenced strongly only by autograd (and by another checkpoint that shares the
+    tensor, see dedupe in the engine). The engine refers to them through weak references, so a
+    dropped graph frees everything without any call from the user. A dying record must not take
+    the engine lock (it may die inside a locked section, through garbage collection), so
+    ``__del__`` only appends to the channel's graveyard, a deque whose append is atomic; the
+    engine settles the graveyard at its next operation and when stats are read.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import threading
 import weakref
 from collections import deque
@@ -25,16 +39,98 @@ from typing import Any
 import torch
 
 import matepoint_compat as compat
+from matepoint._errors import inplace_error
 from matepoint._options import OffloadSettings, ResolvedOptions
 from matepoint._pool import HostBlock, PinnedPool
-from matepoint._records import Record, inplace_error
 from matepoint._stats import Counters
 from matepoint._transport import Channel, Transport
 
-__all__ = ["ChannelEngine"]
+__all__ = ["ChannelEngine", "Record"]
 
 _PREFETCH_SCAN_LIMIT = 64
 _TIMING_BACKLOG = 4096
+
+
+class _WeakReferable:
+    """The weak-reference slot of the slotted :class:`Record`.
+
+    The engine refers to records weakly; ``dataclass(weakref_slot=True)`` needs Python 3.11.
+    """
+
+    __slots__ = ("__weakref__",)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Record(_WeakReferable):
+    """One offloaded tensor: its host copy, the events that order it, and its device state.
+
+    Built from the tensor it offloads (``tensor``, not kept as a field) and the host block its
+    copy goes to. Compared by identity (``eq=False``): each record is one saved value.
+
+    Attributes:
+        owner: The engine that made it.
+        sequence: Pack order on its channel; backward unpacks in roughly decreasing order.
+        block: The host block holding the copy, exactly its size.
+        version: The original's version counter when it was saved.
+        pipelined: Whether its copies run on the side stream (else synchronously).
+        device_tensor: The device original while the engine still holds it (stash or copy in
+            flight), else None.
+        original: Weak reference to the original tensor, to serve it again without a copy when
+            something else keeps it alive.
+        host: The host copy (a view of ``block``), shaped and strided like the original.
+        witness: Shares the original's version counter without holding its memory, so writes
+            through any alias are seen in backward. See Note [Version witness] in
+            ``matepoint_compat._version_counter``.
+        compute: The compute stream current when it was packed (the stream the checkpointed
+            function read it on), for ordering the release of the device original.
+        last_use: Pack sequence of the newest checkpoint that saved it: where backward first
+            needs it.
+        nbytes: Bytes of the offloaded tensor (its host block has exactly this size).
+        copy_event: Event of the copy to the host (None when synchronous).
+        prefetched: A device copy brought back ahead of its unpack and its event, as
+            ``Channel.copy_in`` returned them.
+        modified: Set when the original was seen modified in place before its copy completed.
+        unpacks: How many times autograd unpacked it (twice with ``retain_graph``).
+        packs: How many checkpoints saved it (more than one when dedupe shared it).
+        fetched: For a record several checkpoints share, the device copy the first of them
+            fetched in this backward, served to the others so it crosses the link once.
+    """
+
+    owner: ChannelEngine
+    sequence: int
+    block: HostBlock
+    version: int
+    pipelined: bool
+    tensor: dataclasses.InitVar[torch.Tensor]
+    device_tensor: torch.Tensor | None = dataclasses.field(init=False)
+    original: weakref.ref[torch.Tensor] = dataclasses.field(init=False)
+    host: torch.Tensor = dataclasses.field(init=False)
+    witness: torch.Tensor = dataclasses.field(init=False)
+    compute: Any = dataclasses.field(init=False)
+    last_use: int = dataclasses.field(init=False)
+    nbytes: int = dataclasses.field(init=False)
+    copy_event: Any = None
+    prefetched: tuple[torch.Tensor, Any] | None = None
+    modified: bool = False
+    unpacks: int = 0
+    packs: int = 1
+    fetched: torch.Tensor | None = None
+
+    def __post_init__(self, tensor: torch.Tensor) -> None:
+        self.device_tensor = tensor
+        self.original = weakref.ref(tensor)
+        self.host = self.block.buffer.view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
+        self.witness = compat.version_witness(tensor)
+        self.compute = self.owner.channel.current_compute()
+        self.last_use = self.sequence
+        self.nbytes = self.block.nbytes
+
+    def __del__(self) -> None:
+        # See Note [Record lifetime]: no locks here.
+        if self.device_tensor is not None:
+            copying = self.copy_event is not None
+            self.owner.channel.release_original(self.device_tensor, self.compute, copying)
+        self.owner.graveyard.append(self.block)
 
 
 class ChannelEngine:

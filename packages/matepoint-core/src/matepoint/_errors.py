@@ -1,8 +1,11 @@
-"""The exceptions matepoint raises, so callers can catch matepoint's failures by class."""
+"""The exceptions matepoint raises, so callers can catch matepoint's failures by class.
+
+Also :func:`inplace_error`, the one wording of the in-place error, for offloaded and kept inputs.
+"""
 
 from __future__ import annotations
 
-__all__ = ["InplaceModificationError", "MatepointError", "PinnedMemoryExhausted"]
+__all__ = ["InplaceModificationError", "MatepointError", "PinnedMemoryExhausted", "inplace_error"]
 
 
 class MatepointError(Exception):
@@ -32,3 +35,16 @@ class InplaceModificationError(MatepointError, RuntimeError):
         matepoint.checkpoint) is at version 1; expected version 0 instead. Hint: clone the input
         before modifying it in place, or modify it only after backward.
     """
+
+
+def inplace_error(
+    tensor_type: str, shape: tuple[int, ...], version: int, expected: int
+) -> InplaceModificationError:
+    """Build the error for a saved checkpoint input modified in place, worded as torch words it."""
+    sizes = ", ".join(str(size) for size in shape)
+    return InplaceModificationError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{tensor_type} [{sizes}]] (an input of a matepoint.checkpoint) is at "
+        f"version {version}; expected version {expected} instead. Hint: clone the input before "
+        "modifying it in place, or modify it only after backward."
+    )

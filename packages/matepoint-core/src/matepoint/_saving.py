@@ -1,8 +1,8 @@
 """The saved-tensor hooks' work: which saved inputs move to the host, and bringing them back.
 
 :func:`pack` keeps a saved input where it is (parameters and their views, small, non-dense, lazy
-bits, not on an offloadable device) or hands it to its device's engine; :func:`unpack` returns
-the device tensor from wherever it lives now.
+bits, not on an offloadable device) as a :class:`KeptTensor`, or hands it to its device's engine,
+which returns a ``Record``; :func:`unpack` returns the device tensor from wherever it lives now.
 """
 
 from __future__ import annotations
@@ -13,12 +13,21 @@ from typing import Literal
 
 import torch
 
+from matepoint._engine import Record
+from matepoint._errors import inplace_error
 from matepoint._options import ResolvedOptions
-from matepoint._records import KeptTensor, Record
 from matepoint._registry import engine_of, planning, transport
 from matepoint._stats import Counters
 
-__all__ = ["KeepReason", "count_kept", "kept_counters", "pack", "stay_reason", "unpack"]
+__all__ = [
+    "KeepReason",
+    "KeptTensor",
+    "count_kept",
+    "kept_counters",
+    "pack",
+    "stay_reason",
+    "unpack",
+]
 
 
 # Counts of tensors left in place (not per device), under ``_kept_lock``.
@@ -106,6 +115,29 @@ def count_kept(counters: Counters, reason: KeepReason) -> None:
     if reason != "empty":
         name = "skipped_parameters" if reason == "parameter" else f"skipped_{reason}"
         setattr(counters, name, getattr(counters, name) + 1)
+
+
+class KeptTensor:
+    """A saved input matepoint leaves where it is, with the version it had when saved.
+
+    With saved-tensor hooks in place autograd skips its own version check, so matepoint does it.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        try:
+            self.version = tensor._version
+        except RuntimeError:  # inference tensors have no version counter
+            self.version = -1
+
+    def unpack(self) -> torch.Tensor:
+        """Return the tensor, or raise if it was modified in place since it was saved."""
+        tensor = self.tensor
+        if self.version >= 0 and tensor._version != self.version:
+            raise inplace_error(tensor.type(), tensor.shape, tensor._version, self.version)
+        return tensor
 
 
 def pack(tensor: torch.Tensor, options: ResolvedOptions) -> Record | KeptTensor:

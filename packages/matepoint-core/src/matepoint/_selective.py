@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 import matepoint_compat as compat
+from matepoint._engine import Record
 from matepoint._errors import InplaceModificationError
 from matepoint._options import ResolvedOptions
-from matepoint._records import KeptTensor, Record
-from matepoint._saving import pack, unpack
+from matepoint._saving import KeptTensor, pack, unpack
 
 __all__ = ["offload_policy_outputs"]
 
