@@ -13,14 +13,10 @@ from collections.abc import MutableMapping
 from traceback import walk_tb
 from typing import Any
 
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from matepoint_compat._version import (
-    TORCH_2_9_PLUS,
-    TORCH_2_13_PLUS,
-    TORCH_2_14_PLUS,
-    TORCH_VERSION,
-)
+from matepoint_compat._version import TORCH_2_9_PLUS, TORCH_2_13_PLUS, TORCH_2_14_PLUS
 
 __all__ = ["adapt_checkpoint_kwargs", "unwind_failed_checkpoint"]
 
@@ -66,10 +62,9 @@ def adapt_checkpoint_kwargs(
         if not use_reentrant:
             context = torch_checkpoint.set_checkpoint_early_stop(early_stop)
     if not TORCH_2_14_PLUS and "respect_saved_tensors_hooks" in kwargs:
-        installed = ".".join(str(part) for part in TORCH_VERSION)
         raise TypeError(
             "checkpoint() got respect_saved_tensors_hooks=, which needs torch>=2.14; "
-            f"the installed torch is {installed}"
+            f"the installed torch is {torch.__version__}"
         )
     if TORCH_2_14_PLUS and not use_reentrant and "context_fn" in kwargs:
         kwargs.setdefault("respect_saved_tensors_hooks", False)

@@ -27,11 +27,7 @@ from typing import Any
 
 import torch
 
-from matepoint_compat._compile._torch_names import (
-    COMPILED_OFFLOAD,
-    run_at_trace_time,
-    traced_user_stack,
-)
+from matepoint_compat._compile import _torch_names, compile_tracing
 
 __all__ = [
     "DELAY_SETTING",
@@ -120,7 +116,7 @@ def warn_deprecated(
     """
     message = f"{name} is deprecated; {replacement}"
     # +1 skips this helper's own frame, so the caller's stacklevel means what it would for warn().
-    if COMPILED_OFFLOAD and torch.compiler.is_compiling():
+    if compile_tracing():
         # See Note [Deprecation warnings under torch.compile].
         _warn_while_tracing(message, since, removal, stacklevel + 1)
     else:
@@ -141,7 +137,7 @@ def warn_deprecated(
 _TRACE_TIME_REGISTRIES: dict[str, dict[Any, Any]] = {}
 
 
-@run_at_trace_time
+@_torch_names.run_at_trace_time
 def _warn_while_tracing(message: str, since: str, removal: str, stacklevel: int) -> None:
     """Warn now, at trace time, attributed to the traced frame ``stacklevel`` names.
 
@@ -149,7 +145,7 @@ def _warn_while_tracing(message: str, since: str, removal: str, stacklevel: int)
     (the innermost traced one). Outside a trace (nothing recorded) it warns from here.
     """
     warning = MatepointDeprecationWarning(message, since=since, removal=removal)
-    stack = traced_user_stack()
+    stack = _torch_names.traced_user_stack()
     if len(stack) < stacklevel:
         warnings.warn(warning, stacklevel=2)
         return

@@ -19,14 +19,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+import matepoint_compat as compat
 from matepoint._transport import set_side_stream_delay, side_stream_delay
-from matepoint_compat import (
-    DELAY_SETTING,
-    accepts_keyword,
-    legacy_pipeline_disabled,
-    warn_delay_setting,
-    warn_per_call_settings,
-)
 
 __all__ = [
     "OffloadOptions",
@@ -148,7 +142,7 @@ _SETTING_FIELDS = frozenset(field.name for field in dataclasses.fields(OffloadSe
 _DEVICE_FIELDS = _SETTING_FIELDS - {"min_offload_bytes", "pipeline", "compiled_offload"}
 _CALL_FIELDS = frozenset({"enabled", "pipeline", "min_offload_bytes"})
 # Names that checkpoint() refuses as its own keywords unless the function takes them.
-_OFFLOAD_NAMES = _SETTING_FIELDS | _CALL_FIELDS | {DELAY_SETTING}
+_OFFLOAD_NAMES = _SETTING_FIELDS | _CALL_FIELDS | {compat.DELAY_SETTING}
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -203,27 +197,24 @@ class OffloadOptions:
         **deprecated: Any,
     ) -> None:
         carried = {**dict(deprecated_settings), **deprecated}
-        unknown = sorted(set(carried) - _DEVICE_FIELDS - {DELAY_SETTING})
+        unknown = sorted(set(carried) - _DEVICE_FIELDS - {compat.DELAY_SETTING})
         if unknown:
             raise TypeError(
                 f"unknown offload option(s) {', '.join(unknown)} (given directly or in "
                 "deprecated_settings); valid: enabled, pipeline, min_offload_bytes (device "
                 f"settings go to matepoint.configure: {', '.join(sorted(_DEVICE_FIELDS))})"
             )
-        # Field by field through object.__setattr__ (frozen): Dynamo traces that, where it
-        # cannot trace an update of __dict__ (torch 2.11, whole-model compile).
         # The test delay is the transport's now: per call it does nothing (its warning says so).
         checked = tuple(sorted(_checked_values(carried, "OffloadOptions").items()))
-        for name, value in (
-            ("enabled", enabled),
-            ("pipeline", pipeline),
-            ("min_offload_bytes", min_offload_bytes),
-            ("deprecated_settings", checked),
-        ):
-            object.__setattr__(self, name, value)
+        # Field by field through object.__setattr__ (frozen): Dynamo traces that, where it
+        # cannot trace an update of __dict__ (torch 2.11, whole-model compile).
+        object.__setattr__(self, "enabled", enabled)
+        object.__setattr__(self, "pipeline", pipeline)
+        object.__setattr__(self, "min_offload_bytes", min_offload_bytes)
+        object.__setattr__(self, "deprecated_settings", checked)
         _check_fields(self)
         if deprecated:
-            warn_per_call_settings(deprecated)
+            compat.warn_per_call_settings(deprecated)
 
 
 # Note [Settings layers]
@@ -257,9 +248,9 @@ def _checked_values(fields: dict[str, Any], owner: str) -> dict[str, Any]:
     Raises:
         ValueError: For a value out of range, naming ``owner``.
     """
-    settings = {name: value for name, value in fields.items() if name != DELAY_SETTING}
+    settings = {name: value for name, value in fields.items() if name != compat.DELAY_SETTING}
     try:
-        _check("settings", DELAY_SETTING, "int", fields.get(DELAY_SETTING, 0))
+        _check("settings", compat.DELAY_SETTING, "int", fields.get(compat.DELAY_SETTING, 0))
         OffloadSettings(**settings)
     except ValueError as error:
         raise ValueError(f"{owner}: {error}") from None
@@ -272,17 +263,17 @@ def _take_settings(fields: dict[str, Any], owner: str, stacklevel: int) -> dict[
     Everything is checked before anything changes; the delay's warning is attributed
     ``stacklevel`` frames up (counted as ``warn_deprecated`` counts).
     """
-    unknown = sorted(set(fields) - _SETTING_FIELDS - {DELAY_SETTING})
+    unknown = sorted(set(fields) - _SETTING_FIELDS - {compat.DELAY_SETTING})
     if unknown:
         raise TypeError(
             f"unknown offload setting(s) {', '.join(unknown)} for {owner}; "
             f"valid: {', '.join(sorted(_SETTING_FIELDS))}"
         )
-    if DELAY_SETTING in fields:
-        warn_delay_setting(stacklevel)
+    if compat.DELAY_SETTING in fields:
+        compat.warn_delay_setting(stacklevel)
     settings = _checked_values(fields, owner)
-    if DELAY_SETTING in fields:
-        set_side_stream_delay(fields[DELAY_SETTING])
+    if compat.DELAY_SETTING in fields:
+        set_side_stream_delay(fields[compat.DELAY_SETTING])
     return settings
 
 
@@ -367,7 +358,7 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
             # By identity: two blocks may set equal fields.
             _layers[:] = [open_layer for open_layer in _layers if open_layer is not layer]
             _rebuild()
-        if DELAY_SETTING in fields:
+        if compat.DELAY_SETTING in fields:
             set_side_stream_delay(previous_delay)
 
 
@@ -382,7 +373,7 @@ def check_misplaced_settings(kwargs: dict[str, Any], function: Callable[..., obj
         TypeError: Saying where the first such name (in sorted order) belongs.
     """
     for name in sorted(_OFFLOAD_NAMES.intersection(kwargs)):
-        if accepts_keyword(function, name):
+        if compat.accepts_keyword(function, name):
             continue
         given = f"{name}={kwargs[name]!r}"
         where = f"pass offload=matepoint.OffloadOptions({given}) for this call"
@@ -420,7 +411,7 @@ def resolve(call: OffloadOptions | bool | None, pipeline: bool = True) -> Resolv
         )
     if call is False or (isinstance(call, OffloadOptions) and not call.enabled):
         return None
-    key = (_defaults, call, pipeline, legacy_pipeline_disabled())
+    key = (_defaults, call, pipeline, compat.legacy_pipeline_disabled())
     last = _last
     if last is not None and last[0] == key:
         return last[1]
