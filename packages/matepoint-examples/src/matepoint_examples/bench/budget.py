@@ -13,8 +13,9 @@ alternately, step by step (see ``matepoint_examples.bench._paired`` for why), an
 strategy the median per-round step ratio to torch's checkpoint [interquartile range], the
 measured peak, and for the budget plans the predicted peak. A strategy that runs out of memory
 is reported without a ratio. ``--compiled`` adds torch's compiled ``activation_memory_budget``
-at each budget, for reference. ``--plot frontier.png report.json ...`` draws step ratio against
-peak memory from saved reports, without a GPU.
+at each budget, for reference, and each budget plan run under matepoint's compiled path
+(``compiled_offload``, the whole model compiled). ``--plot frontier.png report.json ...`` draws
+step ratio against peak memory from saved reports, without a GPU.
 
 Note [Calibrating the planned peak]
     The planner plans forward and backward of the stack. A training step also holds the
@@ -261,6 +262,7 @@ class _Runner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
         self.settings: dict[str, dict[str, Any]] = {}
         self.compiled: dict[str, Callable[[], Tensor]] = {}
+        self.errors: dict[str, str] = {}
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer's states (they stay on the device through every step)."""
@@ -283,9 +285,15 @@ class _Runner:
         self.optimizer.zero_grad(set_to_none=True)
         return peak
 
-    def add_compiled(self, name: str, memory_budget: float) -> None:
-        """A strategy: the whole model compiled, no checkpoint, torch choosing what to recompute."""
-        compiled = torch.compile(self.model, backend=_compiled_backend(memory_budget))
+    def add_compiled(self, name: str, memory_budget: float | None = None) -> None:
+        """A strategy: the whole model compiled.
+
+        With ``memory_budget``, torch's ``activation_memory_budget`` chooses what to recompute
+        (run it without a checkpoint); without, inductor as it comes (run it with a budget
+        plan's checkpoint and ``compiled_offload``).
+        """
+        backend = "inductor" if memory_budget is None else _compiled_backend(memory_budget)
+        compiled = torch.compile(self.model, backend=backend)
         self.compiled[name] = lambda: self.workload.loss(compiled, self.inputs)
 
     def step(self, name: str, checkpoint_fn: CheckpointFn | None) -> tuple[float, int]:
@@ -308,6 +316,12 @@ class _Runner:
         except torch.cuda.OutOfMemoryError:
             self.optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
+            return math.nan, -1
+        except Exception as error:  # a compiled strategy that fails to compile: reported, skipped
+            if name not in self.compiled:
+                raise
+            self.errors.setdefault(name, f"{type(error).__name__}: {error}"[:500])
+            self.optimizer.zero_grad(set_to_none=True)
             return math.nan, -1
         self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start, torch.cuda.max_memory_allocated()
@@ -451,6 +465,13 @@ def run(
             runner.add_compiled(label, fraction)
             strategies[label] = None
             plans[name]["compiled_activation_memory_budget"] = fraction
+            # The plan under matepoint's compiled path: torch's compiled selective checkpointing
+            # takes its policy (offload values as save: docs/selective.md), matepoint moves the
+            # checkpoint inputs.
+            label = f"compiled-plan@{name.removeprefix('budget@')}"
+            runner.add_compiled(label)
+            strategies[label] = _checkpoint_fn(budget_plan)
+            runner.settings[label] = {**budget_plan.settings_changes(), "compiled_offload": True}
     names = list(strategies)
     times: dict[str, list[float | None]] = {name: [] for name in names}
     peaks: dict[str, int] = {}
@@ -473,6 +494,8 @@ def run(
             if ratios.get(name):
                 q1, median, q3 = quartiles(ratios[name])
                 row.update({label: median, f"{label}_q1": q1, f"{label}_q3": q3})
+        if name in runner.errors:
+            row["error"] = runner.errors[name]
         planned = name in ("torch", "none", "matepoint")
         row["planned_peak_bytes"] = predicted(memory_plan[name].peak_bytes) if planned else None
         rows[name] = row
@@ -553,6 +576,9 @@ def _print(report: dict[str, Any]) -> None:
             f"{'-' if peak is None or peak < 0 else f'{peak / _GIB:.2f}':>10}"
             f"{'-' if planned is None else f'{planned / _GIB:.2f}':>11}"
         )
+    for name, row in report["rows"].items():
+        if "error" in row:
+            print(f"{name} failed: {row['error']}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -581,7 +607,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--compiled",
         action="store_true",
-        help="add torch's compiled activation_memory_budget at each budget, for reference",
+        help="add torch's compiled activation_memory_budget at each budget, for reference, and "
+        "each budget plan under matepoint's compiled path",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument(
