@@ -180,8 +180,7 @@ class ChannelEngine:
                 if shared.packs == 2:
                     self._shared.append(weakref.ref(shared))
                 return shared
-            nbytes = tensor.numel() * tensor.element_size()
-            block = self.pool.acquire(nbytes, options)
+            block = self.pool.acquire(tensor.numel() * tensor.element_size(), options)
             self._sequence += 1
             record = Record(self, self._sequence, block, version, options.pipelined, tensor)
             if record.pipelined:
@@ -196,7 +195,7 @@ class ChannelEngine:
             self._held.append(weakref.ref(record))
             self._order.append(record.sequence)
             self.counters.offloads += 1
-            self.counters.bytes_offloaded += nbytes
+            self.counters.bytes_offloaded += record.nbytes
             return record
 
     def _release_held(self, options: OffloadSettings) -> None:
