@@ -368,9 +368,7 @@ def recommend(
         The recommendation.
     """
 
-    @cache
-    def evaluate(min_offload: int, stash: int, prefetch: int) -> Planned:
-        return replan(options(min_offload, stash, prefetch))
+    evaluate = cache(replan)
 
     def options(min_offload: int, stash: int, prefetch: int) -> OffloadSettings:
         return dataclasses.replace(
@@ -378,14 +376,14 @@ def recommend(
         )
 
     def peak(min_offload: int, stash: int) -> int:
-        return evaluate(min_offload, stash, prefetch)[0].peak_bytes
+        return evaluate(options(min_offload, stash, prefetch))[0].peak_bytes
 
-    frugal, saves = evaluate(1, 0, base.prefetch)
+    frugal, saves = evaluate(options(1, 0, base.prefetch))
     thresholds = _threshold_classes(saves, base.min_offload_bytes)
     fixed = 2 * frugal.parameter_bytes
     # The first class keeps the same inputs as 1 (none): the same step, so it is planned with 1.
     for prefetch in range(base.prefetch, -1, -1):
-        frugal = evaluate(1, 0, prefetch)[0]
+        frugal = evaluate(options(1, 0, prefetch))[0]
         if frugal.peak_bytes <= budget_bytes:
             break
     else:
@@ -399,7 +397,7 @@ def recommend(
     candidates: list[tuple[StrategyPlan, OffloadSettings]] = []
     for threshold in thresholds:
         planned = 1 if threshold == thresholds[0] else threshold
-        first, saves = evaluate(planned, 0, prefetch)
+        first, saves = evaluate(options(planned, 0, prefetch))
         if first.peak_bytes > budget_bytes:
             break  # larger thresholds keep more on the device
         offloaded = [save.nbytes for save in saves if save.fate == "offloaded"]
@@ -409,7 +407,7 @@ def recommend(
         fitting = bisect.bisect_right(levels, budget_bytes, lo=1, key=partial(peak, planned))
         stash = levels[fitting - 1]
         candidates.append(
-            (evaluate(planned, stash, prefetch)[0], options(threshold, stash, prefetch))
+            (evaluate(options(planned, stash, prefetch))[0], options(threshold, stash, prefetch))
         )
     best, best_options = min(candidates, key=lambda pair: (pair[0].link_bytes, pair[0].peak_bytes))
     runs = evaluate.cache_info().misses

@@ -43,8 +43,8 @@ Note [Meta results reused]
     arguments (their types included: ``full(size, True)`` is a bool tensor, ``full(size, 1)``
     an integer one) and the default dtype. The tracker computes such an op's results once per
     argument signature, with their FLOPs, and later makes fresh meta tensors of the same layout
-    instead (a result whose storage is not exactly its layout's, or that sits at an offset, is
-    never reused).
+    instead (a result whose storage is not exactly the one its layout makes, as one at an
+    offset is not, is never reused).
     Anything else runs as it is.
 """
 
@@ -97,11 +97,17 @@ def tensors_in(value: Any) -> Iterator[Tensor]:
             yield from tensors_in(item)
 
 
-# See Note [Meta results reused]: per op and argument signature, each result's (dtype, shape,
-# strides) and the op's FLOPs. Bounded: cleared when it holds _REUSE_LIMIT signatures.
-_meta_results: dict[tuple[Any, ...], tuple[tuple[tuple[Any, ...], ...], int]] = {}
+# See Note [Meta results reused]: per op and argument signature, a template of each result (a
+# meta tensor of its layout, never handed out) and the op's FLOPs. Bounded: cleared when it
+# holds _REUSE_LIMIT signatures.
+_meta_results: dict[tuple[Any, ...], tuple[tuple[Tensor, ...], int]] = {}
 _REUSE_LIMIT = 1 << 16
 _PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
+
+
+def _meta_like(tensor: Tensor) -> Tensor:
+    """A fresh meta tensor, in a storage of its own, of ``tensor``'s dtype, shape and strides."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
 
 
 @cache
@@ -124,10 +130,9 @@ def _reusable(func: Any) -> bool:
 def _signature(value: Any) -> Any:
     """An argument's part of an op's key; raises TypeError for one the cache cannot key."""
     if isinstance(value, Tensor):
-        if type(value) not in (Tensor, torch.nn.Parameter) or value.device.type != "meta":
-            raise TypeError("not a plain meta tensor")
-        if value.layout != torch.strided:
-            raise TypeError("not strided")
+        plain = type(value) in (Tensor, torch.nn.Parameter) and value.device.type == "meta"
+        if not plain or value.layout != torch.strided:
+            raise TypeError("not a plain strided meta tensor")
         return (Tensor, value.dtype, tuple(value.shape), value.stride())
     if isinstance(value, (tuple, list)):
         return (type(value), *(_signature(item) for item in value))
@@ -151,48 +156,34 @@ def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
                 _signature(sorted(kwargs.items())),
             )
         except TypeError:
-            key = None
+            key = None  # an argument the cache cannot key: the op runs
     known = _meta_results.get(key) if key is not None else None
     if known is not None:
-        layouts, flops = known
-        results = tuple(
-            torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            for dtype, shape, stride in layouts
-        )
+        templates, flops = known
+        results = tuple(_meta_like(template) for template in templates)
         return (results[0] if len(results) == 1 else results), flops
     out = func(*args, **kwargs)
     flops = compat.op_flops(func, args, kwargs, out)
-    if key is not None:
-        produced: tuple[Any, ...] = out if isinstance(out, tuple) else (out,)
-        # A result that is an argument's storage after all (a kernel that breaks its schema)
-        # is never reused either.
+    produced: tuple[Any, ...] = out if isinstance(out, tuple) else (out,)
+    if key is not None and all(
+        isinstance(result, Tensor)
+        and result.device.type == "meta"
+        and result.layout == torch.strided
+        for result in produced
+    ):
         inputs = {tensor.untyped_storage()._cdata for tensor in tensors_in((args, kwargs))}
+        templates = tuple(_meta_like(result) for result in produced)
+        # A result that is an argument's storage after all (a kernel that breaks its schema),
+        # or whose storage is not the one its layout makes, is never reused.
         if all(
-            isinstance(result, Tensor)
-            and result.device.type == "meta"
-            and result.layout == torch.strided
-            and result.storage_offset() == 0
-            and result.untyped_storage().nbytes() == _layout_bytes(result)
-            and result.untyped_storage()._cdata not in inputs
-            for result in produced
+            result.untyped_storage()._cdata not in inputs
+            and result.untyped_storage().nbytes() == template.untyped_storage().nbytes()
+            for result, template in zip(produced, templates, strict=True)
         ):
             if len(_meta_results) >= _REUSE_LIMIT:
                 _meta_results.clear()
-            _meta_results[key] = (
-                tuple((r.dtype, tuple(r.shape), r.stride()) for r in produced),
-                flops,
-            )
+            _meta_results[key] = (templates, flops)
     return out, flops
-
-
-def _layout_bytes(tensor: Tensor) -> int:
-    """Bytes ``empty_strided`` allocates for a tensor's shape and strides."""
-    if tensor.numel() == 0:
-        return 0
-    span = 1 + sum(
-        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-    )
-    return span * tensor.element_size()
 
 
 class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
