@@ -21,8 +21,9 @@ After the copies: torch's partitioner calls ``enable_activation_offloading`` (lo
 module at each call) right after the joint-graph pass; a wrapper installed once per process runs
 it, then, for a graph matepoint's pass marked (and only for that one: the request is taken and
 cleared, :func:`compiled_offload_config`), has inductor keep the graphs' order (Note [Inductor's
-peak-memory reorder]), bounds the forward waits (Note [The forward copy window]) and puts in the
-count ops (Note [Counting compiled copies]). The wrapper changes nothing for other graphs.
+peak-memory reorder]), bounds the forward waits of copies on the transfer stream (Note [The
+forward copy window]) and puts in the count ops (Note [Counting compiled copies]). The wrapper
+changes nothing for other graphs.
 """
 
 from __future__ import annotations
