@@ -37,6 +37,10 @@ _GB = 1e9
 _GIB = float(1 << 30)
 
 
+def _gib(value: int) -> str:
+    return f"{value / _GIB:.2f} GiB"
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """The planned step under each strategy, and how to re-plan it with other options.
@@ -137,18 +141,15 @@ class MemoryPlan:
         """Render the plan as an aligned text table, one column per strategy."""
         plans = list(self.strategies.values())
 
-        def gib(value: int) -> str:
-            return f"{value / _GIB:.2f} GiB"
-
         def ms(value: float) -> str:
             return f"{value * 1e3:.1f} ms"
 
         lines = [
             "matepoint plan (one training step, no GPU used)",
             _row("", [plan.strategy for plan in plans]),
-            _row("peak device memory", [gib(plan.peak_bytes) for plan in plans]),
-            _row("held after forward", [gib(plan.held_after_forward_bytes) for plan in plans]),
-            _row("pinned host RAM", [gib(plan.pinned_bytes) for plan in plans]),
+            _row("peak device memory", [_gib(plan.peak_bytes) for plan in plans]),
+            _row("held after forward", [_gib(plan.held_after_forward_bytes) for plan in plans]),
+            _row("pinned host RAM", [_gib(plan.pinned_bytes) for plan in plans]),
             _row("to host / to device", [
                 f"{plan.bytes_to_host / _GB:.2f}/{plan.bytes_to_device / _GB:.2f} GB"
                 for plan in plans
@@ -306,7 +307,6 @@ class Recommendation:
     steps_planned: int
 
     def __str__(self) -> str:
-        budget = f"{self.budget_bytes / _GIB:.2f} GiB"
         options = self.options
         if options is None:
             scale = ""
@@ -318,17 +318,17 @@ class Recommendation:
                     "(activations taken as proportional to the batch)"
                 )
             return (
-                f"nothing fits {budget}: the most frugal options peak at "
-                f"{self.minimum_peak_bytes / _GIB:.2f} GiB, of which "
-                f"{self.fixed_bytes / _GIB:.2f} GiB are parameters and gradients{scale}"
+                f"nothing fits {_gib(self.budget_bytes)}: the most frugal options peak at "
+                f"{_gib(self.minimum_peak_bytes)}, of which "
+                f"{_gib(self.fixed_bytes)} are parameters and gradients{scale}"
             )
         what = f"{self.plan.link_bytes / 1e9:.2f} GB over the link per step"
         if not self.plan.link_bytes:
             what = "no offloading needed (torch's checkpoint fits)"
         return (
-            f"fits {budget} with stash_bytes={options.stash_bytes}, prefetch={options.prefetch}, "
-            f"min_offload_bytes={options.min_offload_bytes}: peak "
-            f"{self.plan.peak_bytes / _GIB:.2f} GiB, {what}"
+            f"fits {_gib(self.budget_bytes)} with stash_bytes={options.stash_bytes}, "
+            f"prefetch={options.prefetch}, min_offload_bytes={options.min_offload_bytes}: peak "
+            f"{_gib(self.plan.peak_bytes)}, {what}"
         )
 
 

@@ -223,8 +223,7 @@ class PlannedStep:
     ) -> None:
         self.strategy = strategy
         self.context_fn = context_fn
-        self.tracker = MemoryTracker()
-        self.tracker.host = self._host
+        self.tracker = MemoryTracker(self._host)
         channel = MetaChannel(self.tracker)
         self.engine = ChannelEngine(channel, channel)
         self.engine.pool.warn_on_fallback = False

@@ -189,6 +189,10 @@ def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
 class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Count the bytes of live storages on the meta device (standing in for CUDA), and FLOPs.
 
+    Args:
+        host: Returns the host bytes held and in use now (the plan's pinned pool), read at every
+            sample. Default: none held.
+
     Example:
         >>> tracker = MemoryTracker()
         >>> with tracker:
@@ -197,16 +201,15 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         4096
     """
 
-    def __init__(self) -> None:
+    def __init__(self, host: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.host = host
         self.flops = 0
         self.phase = 0
         self.product_phases: set[int] = set()
         self.device_bytes = 0  # See Note [Bytes before the step].
         self.preexisting_bytes = 0
         self.parameter_bytes = 0
-        # Host bytes held and in use now (the plan's pinned pool), read at every sample.
-        self.host: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.samples: list[Sample] = [(0, 0, 0, 0, 0)]
         self.paused = False
         # Each watched storage's weak reference and counted bytes (None: never counted).
