@@ -116,10 +116,9 @@ def _reusable(func: Any) -> bool:
 
     See Note [Meta results reused].
     """
-    schema = getattr(func, "_schema", None)
+    schema = func._schema
     return (
-        schema is not None
-        and not schema.is_mutable
+        not schema.is_mutable
         and bool(schema.returns)
         and all(
             result.alias_info is None and str(result.type) == "Tensor" for result in schema.returns
