@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import matepoint
+import matepoint_compat as compat
 from matepoint._budget import AVAILABLE, OFFLOAD_AVAILABLE, step_seconds
 from matepoint._budget_profile import DeviceModel, op_kind
 from matepoint.testing import CPUTestTransport, use_transport
@@ -344,15 +345,22 @@ def test_a_kind_that_does_not_fit_everywhere_is_kept_in_the_last_regions(
 
     # For real, two steps: the context_fn numbers the regions of each step from 0 again.
     context_fn = budget.context_fn()
+    assert context_fn is not None
+    served: list[Any] = []
+
+    def counting_context_fn() -> Any:
+        served.append(context_fn())
+        return served[-1]
+
     torch.manual_seed(0)
     _steps_match_torch(
-        Stack(context_fn, Thin, 8),
+        Stack(counting_context_fn, Thin, 8),
         Stack(None, Thin, 8),
         (4096, 16),
         steps=2,
         **budget.settings_changes(),
     )
-    assert getattr(context_fn, "calls", None) == 16
+    assert len(served) == 16
 
 
 def test_the_integrations_apply_a_budget_plan_in_one_call() -> None:
@@ -369,6 +377,36 @@ def test_the_integrations_apply_a_budget_plan_in_one_call() -> None:
             mi.matepoint_checkpoint_fn(budget_plan=budget, context_fn=lambda: None)
     finally:
         matepoint.configure(**dataclasses.asdict(before))
+
+
+@pytest.mark.skipif(not compat.COMPILED_OFFLOAD, reason="matepoint's compiled path needs 2.11")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_budget_plan_runs_under_a_whole_model_compile_with_the_compiled_path() -> None:
+    """Dynamo takes a checkpoint's ``context_fn`` only as a function: the plan's is one."""
+    memory_plan = _plan()
+    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=FREE_POLICY)
+    assert "keep" in dict(budget.decisions).values()
+    torch.manual_seed(0)
+    planned, reference = Stack(context_fn=budget.context_fn()), Stack()
+    reference.load_state_dict(planned.state_dict())
+    x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
+    x_reference = x.detach().clone().requires_grad_()
+    torch._dynamo.reset()
+    try:
+        with (
+            use_transport(CPUTestTransport(completion="immediate")),
+            matepoint.options(compiled_offload=True, **budget.settings_changes()),
+        ):
+            torch.compile(planned, backend="aot_eager", fullgraph=True)(x).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    expected = x_reference
+    for block in reference.blocks:
+        expected = torch.utils.checkpoint.checkpoint(block, expected, use_reentrant=False)
+    expected.sum().backward()
+    torch.testing.assert_close(x.grad, x_reference.grad)
+    for mine, theirs in zip(planned.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad)
 
 
 def test_a_policy_that_costs_more_host_time_than_it_saves_is_not_chosen() -> None:

@@ -160,10 +160,17 @@ class _PlanContexts:
 
 def _context_fn(
     decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int
-) -> _PlanContexts | None:
+) -> Callable[[], Any] | None:
+    """A plan's ``context_fn``: a plain function, as torch's compiled checkpoint requires (Dynamo
+    refuses a callable object there), around one :class:`_PlanContexts`."""
     if not kept_in_last and all(decision == "recompute" for decision in decisions.values()):
         return None
-    return _PlanContexts(decisions, kept_in_last, regions)
+    contexts = _PlanContexts(decisions, kept_in_last, regions)
+
+    def context_fn() -> Any:
+        return contexts()
+
+    return context_fn
 
 
 @dataclasses.dataclass(frozen=True)
