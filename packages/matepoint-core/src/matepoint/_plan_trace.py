@@ -245,7 +245,7 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         [Bytes before the step].
         """
         for tensor in tensors_in(values):
-            if tensor.device.type != "meta" or tensor.layout != torch.strided:
+            if not tensor.is_meta or tensor.layout != torch.strided:
                 continue
             storage = tensor.untyped_storage()
             key = id(storage)
