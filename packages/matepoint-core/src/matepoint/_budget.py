@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
@@ -106,8 +107,10 @@ if OFFLOAD_AVAILABLE:
     _POLICY_VALUES["offload"] = torch_checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
 
 
-class _PlanContexts:
-    """A plan's ``context_fn``: torch's selective-checkpoint contexts around a fresh policy.
+def _policy(
+    decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int, region: int
+) -> Callable[..., Any]:
+    """Region ``region``'s policy; it counts the ops it sees, so it serves one call.
 
     Note [A plan's regions]
         A plan's regions are the checkpoint calls of one step, in their order: the ``n``-th call
@@ -119,56 +122,47 @@ class _PlanContexts:
         least memory at a peak late in backward. A model that checkpoints a different number of
         regions from step to step needs a plan without ``kept_in_last``.
     """
+    kept = [name for name, last in kept_in_last.items() if region >= regions - last]
+    chosen: dict[str, Decision] = {**decisions, **dict.fromkeys(kept, "keep")}
+    # Ops of each kind seen so far in the region, in forward and in the recomputation apart
+    # (Note [Op kinds]).
+    seen: collections.Counter[tuple[bool, str]] = collections.Counter()
+    # A profile never ranks "other" (Note [Op kinds]): unless a plan names it, such an op, most
+    # of a region's, is recomputed without being counted.
+    other_decided = any(name.split(" #")[0] == "other" for name in chosen)
+    recompute = _POLICY_VALUES["recompute"]
 
-    def __init__(
-        self, decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int
-    ) -> None:
-        self.decisions, self.kept_in_last, self.regions = decisions, kept_in_last, regions
-        self.calls = 0
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        del kwargs
+        kind = op_kind(func, args)
+        if kind == "other" and not other_decided:
+            return recompute
+        key = (bool(ctx.is_recompute), kind)
+        seen[key] += 1
+        decision = chosen.get(occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))
+        return _POLICY_VALUES[decision]
 
-    def policy(self, region: int) -> Callable[..., Any]:
-        """Region ``region``'s policy; it counts the ops it sees, so it serves one call."""
-        kept = [name for name, last in self.kept_in_last.items() if region >= self.regions - last]
-        chosen: dict[str, Decision] = {**self.decisions, **dict.fromkeys(kept, "keep")}
-        # Ops of each kind seen so far in the region, in forward and in the recomputation apart
-        # (Note [Op kinds]).
-        seen: collections.Counter[tuple[bool, str]] = collections.Counter()
-        # A profile never ranks "other" (Note [Op kinds]): unless a plan names it, such an op,
-        # most of a region's, is recomputed without being counted.
-        other_decided = any(name.split(" #")[0] == "other" for name in chosen)
-        recompute = _POLICY_VALUES["recompute"]
-
-        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-            del kwargs
-            kind = op_kind(func, args)
-            if kind == "other" and not other_decided:
-                return recompute
-            key = (bool(ctx.is_recompute), kind)
-            seen[key] += 1
-            decision = chosen.get(occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))
-            return _POLICY_VALUES[decision]
-
-        return policy
-
-    def __call__(self) -> Any:
-        region = self.calls % self.regions
-        self.calls += 1
-        return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-            self.policy(region)
-        )
+    return policy
 
 
 def _context_fn(
     decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int
 ) -> Callable[[], Any] | None:
-    """A plan's ``context_fn``: a plain function, as torch's compiled checkpoint requires (Dynamo
-    refuses a callable object there), around one :class:`_PlanContexts`."""
+    """A plan's ``context_fn``: torch's selective-checkpoint contexts around a fresh policy of
+    the next region (Note [A plan's regions]); None when everything is recomputed.
+
+    A plain function: Dynamo takes a checkpoint's ``context_fn`` only as one (or a partial), so
+    a plan runs under a whole-model compile too.
+    """
     if not kept_in_last and all(decision == "recompute" for decision in decisions.values()):
         return None
-    contexts = _PlanContexts(decisions, kept_in_last, regions)
+    calls = itertools.count()
 
     def context_fn() -> Any:
-        return contexts()
+        region = next(calls) % regions
+        return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
+            _policy(decisions, kept_in_last, regions, region)
+        )
 
     return context_fn
 
@@ -233,8 +227,7 @@ class BudgetPlan:
         kinds apart by counting them (Note [Op kinds]), so each checkpoint call needs a fresh
         one: :meth:`context_fn` makes one per call, for the call's region.
         """
-        contexts = _PlanContexts(dict(self.decisions), dict(self.kept_in_last), self.regions)
-        return contexts.policy(region)
+        return _policy(dict(self.decisions), dict(self.kept_in_last), self.regions, region)
 
     def context_fn(self) -> Callable[[], Any] | None:
         """The ``context_fn`` for every checkpoint call (None when everything is recomputed).
