@@ -35,9 +35,8 @@ Note [The budget search]
 
 Note [Measured finalists]
     The time model's least certain term is the policy's host cost: how much of it the
-    device's work hides depends on the host's speed and the model's op sizes (a policy the
-    model charged in full cost a half to a third of that on one H200 host, and more on
-    another). Given ``measure``, the search does not decide on that estimate: where it found a
+    device's work hides depends on the host's speed and the model's op sizes, and the share
+    that shows differs several-fold between models and hosts (docs/budget.md). Given ``measure``, the search does not decide on that estimate: where it found a
     plan with a policy, it hands two finalists, that plan and the best without a policy (each
     with the checkpoint inputs held on the device where that fits), to ``measure``, which times
     them on the real model (``math.inf`` for one that could not run, out of memory), and
