@@ -129,7 +129,7 @@ def _reusable(func: Any) -> bool:
 def _signature(value: Any) -> Any:
     """An argument's part of an op's key; raises TypeError for one the cache cannot key."""
     if isinstance(value, Tensor):
-        plain = type(value) in (Tensor, torch.nn.Parameter) and value.device.type == "meta"
+        plain = type(value) in (Tensor, torch.nn.Parameter) and value.is_meta
         if not plain or value.layout != torch.strided:
             raise TypeError("not a plain strided meta tensor")
         return (Tensor, value.dtype, tuple(value.shape), value.stride())
@@ -165,9 +165,7 @@ def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
     flops = compat.op_flops(func, args, kwargs, out)
     produced: tuple[Any, ...] = out if isinstance(out, tuple) else (out,)
     if key is not None and all(
-        isinstance(result, Tensor)
-        and result.device.type == "meta"
-        and result.layout == torch.strided
+        isinstance(result, Tensor) and result.is_meta and result.layout == torch.strided
         for result in produced
     ):
         inputs = {tensor.untyped_storage()._cdata for tensor in tensors_in((args, kwargs))}
