@@ -448,16 +448,19 @@ def test_measured_finalists_decide_whatever_the_time_model_says(
         with_policy if policy_faster else without
     )
     assert budget.measured_seconds == (0.5, 0.7)
-    # A finalist that could not run (out of memory) is measured as math.inf, never chosen.
-    for out_of_memory in range(2):
-        times = [0.5, 0.5]
-        times[out_of_memory] = float("inf")
-        ran = memory_plan.fastest_under(roomy, device=device, measure=lambda _, t=times: t)
-        assert bool(ran.decisions) == (out_of_memory == 1)
     assert "measured 500.0 ms against 700.0 ms" in str(budget)
-    unmeasured = memory_plan.fastest_under(roomy, device=device)
-    assert unmeasured.measured_seconds == ()
-    assert bool(unmeasured.decisions) == (policy_cost == 0.0)
+
+
+@pytest.mark.parametrize("out_of_memory", [0, 1], ids=["policy-plan", "plain-plan"])
+def test_a_finalist_that_could_not_run_is_never_chosen(out_of_memory: int) -> None:
+    memory_plan = _plan()
+    times = [0.5, 0.5]
+    times[out_of_memory] = float("inf")
+    budget = memory_plan.fastest_under(
+        memory_plan["none"].peak_bytes * 2, device=FREE_POLICY, measure=lambda _: times
+    )
+    assert bool(budget.decisions) == (out_of_memory == 1)
+    assert budget.measured_seconds == (0.5, float("inf"))
 
 
 def test_nothing_is_measured_when_the_search_found_no_policy_to_try() -> None:
