@@ -38,7 +38,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -327,6 +327,25 @@ class _Runner:
         return time.perf_counter() - start, torch.cuda.max_memory_allocated()
 
 
+def _alternate(
+    runner: _Runner, strategies: Mapping[str, CheckpointFn | None], rounds: int, warmup: int
+) -> tuple[dict[str, list[float | None]], dict[str, int]]:
+    """Run each strategy once per round, the order rotating (``round_order``).
+
+    Returns, from the rounds after ``warmup``, each strategy's step times (None where it ran
+    out of memory) and its peak.
+    """
+    times: dict[str, list[float | None]] = {name: [] for name in strategies}
+    peaks: dict[str, int] = {}
+    for round_index in range(warmup + rounds):
+        for name in round_order(list(strategies), round_index):
+            seconds, peak = runner.step(name, strategies[name])
+            if round_index >= warmup:
+                times[name].append(None if math.isnan(seconds) else seconds)
+                peaks[name] = max(peaks.get(name, -1), peak)
+    return times, peaks
+
+
 def _checkpoint_fn(plan: matepoint.BudgetPlan) -> CheckpointFn:
     """``matepoint.checkpoint`` with ``plan``'s policy (its settings go to ``_Runner.settings``)."""
     context_fn = plan.context_fn()
@@ -356,12 +375,7 @@ def _measure_finalists(
         for index, plan in enumerate(plans):
             finalists[f"finalist {index}"] = _checkpoint_fn(plan)
             runner.settings[f"finalist {index}"] = plan.settings_changes()
-        times: dict[str, list[float | None]] = {name: [] for name in finalists}
-        for round_index in range(1 + rounds):
-            for name in round_order(list(finalists), round_index):
-                seconds = runner.step(name, finalists[name])[0]
-                if round_index:
-                    times[name].append(None if math.isnan(seconds) else seconds)
+        times = _alternate(runner, finalists, rounds, warmup=1)[0]
         ran = [name for name in finalists if None not in times[name]]
         if not ran:
             return [math.inf] * len(plans)
@@ -473,14 +487,7 @@ def run(
             strategies[label] = _checkpoint_fn(budget_plan)
             runner.settings[label] = {**budget_plan.settings_changes(), "compiled_offload": True}
     names = list(strategies)
-    times: dict[str, list[float | None]] = {name: [] for name in names}
-    peaks: dict[str, int] = {}
-    for round_index in range(warmup + rounds):
-        for name in round_order(names, round_index):
-            seconds, peak = runner.step(name, strategies[name])
-            if round_index >= warmup:
-                times[name].append(None if math.isnan(seconds) else seconds)
-                peaks[name] = max(peaks.get(name, -1), peak)
+    times, peaks = _alternate(runner, strategies, rounds, warmup)
     # Beside the ratio to torch's checkpoint, the ratio to matepoint on every block: the one
     # reference that fits wherever anything does (under a device-memory cap torch's may not).
     references = {
