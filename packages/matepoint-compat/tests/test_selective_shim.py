@@ -134,3 +134,58 @@ def test_offload_callback_sees_the_outputs_version_counter() -> None:
     )
     ((alias, version),) = seen
     assert alias._version == version + 1
+
+
+@needs_offload_values
+@pytest.mark.parametrize("region", ["sin last", "sin then sin"])
+def test_an_offloaded_last_op_is_replaced_when_the_forward_ends(region: str) -> None:
+    """Note [Offloading an entry once it is stored]: the mode's exit replaces the last entry."""
+    entries: list[Entry] = []
+
+    def offload(tensor: torch.Tensor) -> Entry:
+        entries.append(Entry(tensor))
+        return entries[-1]
+
+    def function(t: torch.Tensor) -> torch.Tensor:
+        return t.sin() if region == "sin last" else t.sin().sin()
+
+    def context_fn() -> Any:
+        contexts = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
+        return compat.offloading_selective_contexts(contexts, offload)
+
+    x = torch.randn(8, requires_grad=True)
+    out = torch_checkpoint.checkpoint(function, x * 1, use_reentrant=False, context_fn=context_fn)
+    # Two sins of one key: each entry replaced, the second at the exit.
+    assert len(entries) == (1 if region == "sin last" else 2)
+    assert torch.equal(entries[0].tensor, x.detach().sin())
+    out.sum().backward()
+    # The recomputation stops once it has what backward needs: the last output is never asked.
+    assert [entry.asked for entry in entries] == ([0] if region == "sin last" else [1, 0])
+    torch.testing.assert_close(x.grad, torch.autograd.grad(function(x).sum(), x)[0])
+
+
+@needs_offload_values
+def test_a_forward_that_raises_offloads_nothing_more() -> None:
+    """An exception right after an offloaded op: its entry is not replaced, nothing runs late."""
+    entries: list[Entry] = []
+
+    def offload(tensor: torch.Tensor) -> Entry:
+        entries.append(Entry(tensor))
+        return entries[-1]
+
+    def failing(t: torch.Tensor) -> torch.Tensor:
+        t.sin()
+        raise ValueError("boom")
+
+    def context_fn() -> Any:
+        contexts = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
+        return compat.offloading_selective_contexts(contexts, offload)
+
+    with pytest.raises(ValueError, match="boom"):
+        torch_checkpoint.checkpoint(
+            failing,
+            torch.randn(8, requires_grad=True) * 1,
+            use_reentrant=False,
+            context_fn=context_fn,
+        )
+    assert entries == []

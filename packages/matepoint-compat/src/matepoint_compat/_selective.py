@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -62,66 +61,52 @@ _storage_key: Callable[..., Any] = getattr(torch_checkpoint, "_sac_storage_key",
 _is_compiling: Callable[..., bool] = getattr(torch_checkpoint, "_is_compiling", lambda *_: False)
 
 
+_NO_KEY = object()
+
+
 @dataclasses.dataclass(slots=True)
 class _Pending:
-    """What the forward's policy wrapper tells the caching mode about the op now dispatched.
+    """The op whose outputs the forward's policy marked for offload, until its entry is stored.
 
-    Shared by the two instead of the wrapper referencing the mode, so no reference cycle keeps
-    the storage (and the host copies in it) alive until the garbage collector runs.
+    Note [Offloading an entry once it is stored]
+        The caching mode stores an op's entry after asking the policy, inside its own dispatch;
+        matepoint replaces it at the next point its code runs anyway: the policy call of the
+        next op, or the mode's exit at the end of the region's forward. That adds no Python
+        frame to the ops of a region that offload nothing (most of them), where a dispatch
+        override on the mode would add one to every op, and a policy's host cost is what
+        bounds a selective step on a fast device. An in-place write by the next op bumps the
+        version only after the mode's handler returns, so the entry is replaced first and
+        matepoint's version check finds the write in the recomputation; an output whose
+        version moved all the same is left in torch's wrapper, whose check raises there.
+
+    Held by the policy wrapper and the mode, never referencing the mode, so no reference cycle
+    keeps the storage (and the host copies in it) alive until the garbage collector runs.
     """
 
-    offload: bool = False
+    storage: Any
+    offload: Callable[[torch.Tensor], Any] | None
+    key: Any = _NO_KEY
 
-
-def _offload_as_save(policy: Callable[..., Any], pending: _Pending | None) -> Callable[..., Any]:
-    """Wrap a policy so that an offload value becomes the save value of the same strength.
-
-    The forward's wrapper (with ``pending``) remembers the offload there for the caching mode;
-    under compile it returns the policy's own value, since the storage is then a tracing
-    artifact and the partitioner reads that value. The recomputation's wrapper (no ``pending``;
-    2.4-era modes ask the policy again) decides as the forward did.
-    """
-
-    def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        decision = policy(ctx, func, *args, **kwargs)
-        if not isinstance(decision, enum.Enum) or decision not in _SAVE_FOR_OFFLOAD:
-            return decision
-        if pending is not None:
-            if _is_compiling(func, args, kwargs):
-                return decision
-            pending.offload = True
-        return _SAVE_FOR_OFFLOAD[decision]
-
-    return decide
-
-
-class _OffloadingCachingMode(_CachingMode):  # type: ignore[misc]
-    """torch's forward caching mode, handing the outputs of offloaded ops to ``_matepoint_offload``.
-
-    Made from the mode the user's ``context_fn`` built (its state copied, so that object stays
-    untouched); ``isinstance`` checks torch makes on it (2.14 sets
-    ``respect_saved_tensors_hooks`` through one) still hold.
-    """
-
-    _matepoint_pending: _Pending
-    _matepoint_offload: Callable[[torch.Tensor], Any] | None
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self._matepoint_pending.offload = False
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        offload = self._matepoint_offload
-        if offload is None or not self._matepoint_pending.offload:
-            return out
-        # The policy wrapper answered "save", so the mode has just stored this op's entry: the
-        # list's last item or the dict's last inserted key (Note [Selective checkpointing's
-        # storage]).
-        container = self.storage[_storage_key(func, args)]
+    def flush(self) -> None:
+        """Replace the stored entry of the op marked for offload, if any."""
+        if self.key is _NO_KEY:
+            return
+        container = self.storage[self.key]
+        self.key = _NO_KEY
+        # The list's last item or the dict's last inserted key (Note [Selective
+        # checkpointing's storage]): no op stored an entry since the marked one.
         index = next(reversed(container)) if isinstance(container, dict) else -1
+        offload = self.offload
+        assert offload is not None
 
         def replace(leaf: Any) -> Any:
             # From 2.14 a wrapper with an unpack hook holds what matepoint's hooks packed already.
             ours = type(leaf) is _VersionWrapper and getattr(leaf, "unpack_hook", None) is None
-            return offload(leaf.val) if ours and isinstance(leaf.val, torch.Tensor) else leaf
+            if not ours or not isinstance(leaf.val, torch.Tensor):
+                return leaf
+            # Written in place since it was stored: torch's wrapper raises its error when the
+            # recomputation asks for it.
+            return offload(leaf.val) if leaf.val._version == leaf.version else leaf
 
         # A dispatch mode's handler runs with the ADInplaceOrView key excluded, where detach()
         # makes an alias with a fresh version counter: matepoint's version witness would then
@@ -129,7 +114,50 @@ class _OffloadingCachingMode(_CachingMode):  # type: ignore[misc]
         # same way.
         with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
             container[index] = tree_map(replace, container[index])
-        return out
+
+
+def _offload_as_save(policy: Callable[..., Any], pending: _Pending | None) -> Callable[..., Any]:
+    """Wrap a policy so that an offload value becomes the save value of the same strength.
+
+    The forward's wrapper (with ``pending``) first replaces the entry the previous op marked
+    (Note [Offloading an entry once it is stored]), then marks this op where the policy
+    offloads it; under compile it returns the policy's own value, since the storage is then a
+    tracing artifact and the partitioner reads that value. The recomputation's wrapper (no
+    ``pending``; 2.4-era modes ask the policy again) decides as the forward did.
+    """
+    must, prefer = _SAVE_FOR_OFFLOAD
+
+    def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        if pending is not None and pending.key is not _NO_KEY:
+            pending.flush()
+        decision = policy(ctx, func, *args, **kwargs)
+        # Identity tests: an enum's hash runs in Python, on every op of a region.
+        if decision is not must and decision is not prefer:
+            return decision
+        if pending is not None and pending.offload is not None:
+            if _is_compiling(func, args, kwargs):
+                return decision
+            pending.key = _storage_key(func, args)
+        return _SAVE_FOR_OFFLOAD[decision]
+
+    return decide
+
+
+class _OffloadingCachingMode(_CachingMode):  # type: ignore[misc]
+    """torch's forward caching mode, whose policy hands offloaded outputs to matepoint.
+
+    Made from the mode the user's ``context_fn`` built (its state copied, so that object stays
+    untouched); ``isinstance`` checks torch makes on it (2.14 sets
+    ``respect_saved_tensors_hooks`` through one) still hold. Its exit replaces the region's
+    last marked entry (Note [Offloading an entry once it is stored]).
+    """
+
+    _matepoint_pending: _Pending
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        if exc_info[0] is None:
+            self._matepoint_pending.flush()
+        return super().__exit__(*exc_info)
 
 
 def offloading_selective_contexts(contexts: Any, offload: Callable[[torch.Tensor], Any]) -> Any:
@@ -160,10 +188,9 @@ def offloading_selective_contexts(contexts: Any, offload: Callable[[torch.Tensor
     forward, recompute = contexts
     caching = _OffloadingCachingMode.__new__(_OffloadingCachingMode)
     caching.__dict__.update(vars(forward))
-    caching._matepoint_pending = _Pending()
-    caching.policy_fn = _offload_as_save(forward.policy_fn, caching._matepoint_pending)
     mutable = getattr(recompute, "allow_cache_entry_mutation", False)
-    caching._matepoint_offload = None if mutable else offload
+    caching._matepoint_pending = _Pending(forward.storage, None if mutable else offload)
+    caching.policy_fn = _offload_as_save(forward.policy_fn, caching._matepoint_pending)
     cached = copy.copy(recompute)
     if getattr(recompute, "policy_fn", None) is not None:  # 2.4-era modes ask the policy again
         cached.policy_fn = _offload_as_save(recompute.policy_fn, None)
