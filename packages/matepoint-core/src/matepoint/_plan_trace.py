@@ -46,6 +46,16 @@ Note [Meta results reused]
     instead (a result whose storage is not exactly the one its layout makes, as one at an
     offset is not, is never reused).
     Anything else runs as it is.
+
+Note [Bookkeeping without torch function modes]
+    Backward runs with :class:`CudaKernels` in force (``compat.run_backward``: the recomputation
+    must meet it), and a torch function mode sees every tensor method and property called while
+    it is in force, in Python, at ten times the call's own cost. The tracker reads a dozen of
+    them per op (storages, shapes, strides, dtypes), which made that mode's handler a third of
+    a planned step's time. So the tracker does its bookkeeping with torch function modes off;
+    only the op itself runs with them in force, as it would without a tracker. Nothing the
+    bookkeeping reads or makes depends on a mode: :class:`CudaKernels` passes every such call
+    through, and the meta tensors it makes name their device and dtype.
 """
 
 from __future__ import annotations
@@ -64,6 +74,10 @@ from torch.utils.flop_counter import register_flop_formula
 import matepoint_compat as compat
 
 __all__ = ["CUBLAS_WORKSPACE_BYTES", "PHASES", "CudaKernels", "MemoryTracker", "tensors_in"]
+
+# torch function modes off (private; in every release from 2.4 to 2.15): Note [Bookkeeping
+# without torch function modes].
+_no_torch_function = torch._C.DisableTorchFunction
 
 # Bytes the CUDA caching allocator rounds every allocation up to (its ``kMinBlockSize``).
 ALLOCATION_GRANULARITY = 512
@@ -140,46 +154,54 @@ def _signature(value: Any) -> Any:
     raise TypeError(f"cannot key a {type(value).__name__}")
 
 
+def _reuse_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The op's key in ``_meta_results``, or None where its results are not reused."""
+    if not _reusable(func):
+        return None
+    try:
+        return (
+            func,
+            torch.get_default_dtype(),  # a factory without a dtype makes this one
+            _signature(args),
+            _signature(sorted(kwargs.items())),
+        )
+    except TypeError:
+        return None  # an argument the cache cannot key: the op runs
+
+
 def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
     """Run an op, or remake its results, and return them with its FLOPs.
 
-    See Note [Meta results reused].
+    See Note [Meta results reused]. Only the op runs with torch function modes in force: see
+    Note [Bookkeeping without torch function modes].
     """
-    key = None
-    if _reusable(func):
-        try:
-            key = (
-                func,
-                torch.get_default_dtype(),  # a factory without a dtype makes this one
-                _signature(args),
-                _signature(sorted(kwargs.items())),
-            )
-        except TypeError:
-            key = None  # an argument the cache cannot key: the op runs
-    known = _meta_results.get(key) if key is not None else None
-    if known is not None:
-        templates, flops = known
-        results = tuple(_meta_like(template) for template in templates)
-        return (results[0] if len(results) == 1 else results), flops
+    with _no_torch_function():
+        key = _reuse_key(func, args, kwargs)
+        known = _meta_results.get(key) if key is not None else None
+        if known is not None:
+            templates, flops = known
+            results = tuple(_meta_like(template) for template in templates)
+            return (results[0] if len(results) == 1 else results), flops
     out = func(*args, **kwargs)
-    flops = compat.op_flops(func, args, kwargs, out)
-    produced: tuple[Any, ...] = out if isinstance(out, tuple) else (out,)
-    if key is not None and all(
-        isinstance(result, Tensor) and result.is_meta and result.layout == torch.strided
-        for result in produced
-    ):
-        inputs = {tensor.untyped_storage()._cdata for tensor in tensors_in((args, kwargs))}
-        templates = tuple(_meta_like(result) for result in produced)
-        # A result that is an argument's storage after all (a kernel that breaks its schema),
-        # or whose storage is not the one its layout makes, is never reused.
-        if all(
-            result.untyped_storage()._cdata not in inputs
-            and result.untyped_storage().nbytes() == template.untyped_storage().nbytes()
-            for result, template in zip(produced, templates, strict=True)
+    with _no_torch_function():
+        flops = compat.op_flops(func, args, kwargs, out)
+        produced: tuple[Any, ...] = out if isinstance(out, tuple) else (out,)
+        if key is not None and all(
+            isinstance(result, Tensor) and result.is_meta and result.layout == torch.strided
+            for result in produced
         ):
-            if len(_meta_results) >= _REUSE_LIMIT:
-                _meta_results.clear()
-            _meta_results[key] = (templates, flops)
+            inputs = {tensor.untyped_storage()._cdata for tensor in tensors_in((args, kwargs))}
+            templates = tuple(_meta_like(result) for result in produced)
+            # A result that is an argument's storage after all (a kernel that breaks its
+            # schema), or whose storage is not the one its layout makes, is never reused.
+            if all(
+                result.untyped_storage()._cdata not in inputs
+                and result.untyped_storage().nbytes() == template.untyped_storage().nbytes()
+                for result, template in zip(produced, templates, strict=True)
+            ):
+                if len(_meta_results) >= _REUSE_LIMIT:
+                    _meta_results.clear()
+                _meta_results[key] = (templates, flops)
     return out, flops
 
 
@@ -220,11 +242,12 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self.paused:
             return func(*args, **kwargs)
         out, flops = _run_meta(func, args, kwargs)
-        self.watch((args, kwargs), preexisting=True)
-        self.flops += flops
-        if func.overloadpacket.__name__ in _MATRIX_PRODUCTS:
-            self.product_phases.add(self.phase)  # See Note [cuBLAS workspaces].
-        self.watch(out, preexisting=False)
+        with _no_torch_function():  # Note [Bookkeeping without torch function modes]
+            self.watch((args, kwargs), preexisting=True)
+            self.flops += flops
+            if func.overloadpacket.__name__ in _MATRIX_PRODUCTS:
+                self.product_phases.add(self.phase)  # See Note [cuBLAS workspaces].
+            self.watch(out, preexisting=False)
         return out
 
     def allocate_uncounted(self, nbytes: int) -> Tensor:
