@@ -189,3 +189,16 @@ def test_a_forward_that_raises_offloads_nothing_more() -> None:
             context_fn=context_fn,
         )
     assert entries == []
+
+
+@needs_offload_values
+def test_a_policy_marked_never_offloading_is_left_to_torch() -> None:
+    def keep_cos(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        policy = torch_checkpoint.CheckpointPolicy
+        return policy.MUST_SAVE if op == torch.ops.aten.cos.default else policy.PREFER_RECOMPUTE
+
+    assert compat.never_offloading(keep_cos) is keep_cos
+    contexts = torch_checkpoint.create_selective_checkpoint_contexts(keep_cos)
+    assert compat.offloading_selective_contexts(contexts, Entry) is contexts
+    unmarked = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
+    assert compat.offloading_selective_contexts(unmarked, Entry) is not unmarked

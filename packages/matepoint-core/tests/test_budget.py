@@ -285,6 +285,14 @@ def test_a_kind_repeated_in_a_region_is_decided_per_occurrence(fresh_stats: None
     policies = torch.utils.checkpoint.CheckpointPolicy
     offload, recomputed = policies.MUST_CPU_OFFLOAD, policies.PREFER_RECOMPUTE
     assert values == [offload, offload, recomputed, recomputed]
+    # Ops named "other" by the op alone are answered before any counting; a plan that
+    # offloads nothing leaves its contexts to torch, one that offloads does not.
+    add = torch.ops.aten.add.Tensor
+    assert [policy(forward, add, *args) for _ in range(2)] == [recomputed] * 2
+    kept = dataclasses.replace(budget, decisions=((up, "keep"),))
+    for plan, wrapped in ((first_only, True), (kept, False)):
+        contexts = torch.utils.checkpoint.create_selective_checkpoint_contexts(plan.policy())
+        assert (compat.offloading_selective_contexts(contexts, print) is not contexts) is wrapped
 
     torch.manual_seed(0)
     stats = _steps_match_torch(

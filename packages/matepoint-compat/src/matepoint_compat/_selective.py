@@ -37,7 +37,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_map
 
-__all__ = ["SELECTIVE_OFFLOAD_POLICIES", "offloading_selective_contexts"]
+__all__ = ["SELECTIVE_OFFLOAD_POLICIES", "never_offloading", "offloading_selective_contexts"]
 
 # ``CheckpointPolicy`` gained the two offload values in torch 2.11 (pytorch/pytorch#172705);
 # they are looked up rather than gated on the version, so the map is empty before them (and on
@@ -62,6 +62,17 @@ _is_compiling: Callable[..., bool] = getattr(torch_checkpoint, "_is_compiling", 
 
 
 _NO_KEY = object()
+_NEVER_OFFLOADS = "_matepoint_never_offloads"
+
+
+def never_offloading(policy: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a policy that never answers an offload value; return it.
+
+    Contexts around such a policy are left to torch as they are: the offload wrapper would
+    cost a Python call on every op of the region and find nothing to offload.
+    """
+    policy.__dict__[_NEVER_OFFLOADS] = True
+    return policy
 
 
 @dataclasses.dataclass(slots=True)
@@ -180,12 +191,15 @@ def offloading_selective_contexts(contexts: Any, offload: Callable[[torch.Tensor
     Returns:
         The new pair; ``contexts`` itself when it is not the exact pair
         ``create_selective_checkpoint_contexts`` builds (other context managers, subclasses),
-        or torch's ``CheckpointPolicy`` has no offload values.
+        torch's ``CheckpointPolicy`` has no offload values, or the policy is marked
+        :func:`never_offloading`.
     """
     pair = tuple(map(type, contexts)) if isinstance(contexts, tuple) else ()
     if not _SAVE_FOR_OFFLOAD or pair != (_CachingMode, _CachedMode):
         return contexts
     forward, recompute = contexts
+    if getattr(forward.policy_fn, _NEVER_OFFLOADS, False):
+        return contexts
     caching = _OffloadingCachingMode.__new__(_OffloadingCachingMode)
     caching.__dict__.update(vars(forward))
     mutable = getattr(recompute, "allow_cache_entry_mutation", False)

@@ -36,7 +36,8 @@ Note [The budget search]
 Note [Measured finalists]
     The time model's least certain term is the policy's host cost: how much of it the
     device's work hides depends on the host's speed and the model's op sizes, and the share
-    that shows differs several-fold between models and hosts (docs/budget.md). Given ``measure``, the search does not decide on that estimate: where it found a
+    that shows differs several-fold between models and hosts (docs/budget.md). Given
+    ``measure``, the search does not decide on that estimate: where it found a
     plan with a policy, it hands two finalists, that plan and the best without a policy (each
     with the checkpoint inputs held on the device where that fits), to ``measure``, which times
     them on the real model (``math.inf`` for one that could not run, out of memory), and
@@ -60,6 +61,7 @@ from matepoint._budget_profile import (
     DeviceModel,
     KindProfile,
     RegionProfiler,
+    _named_kind,
     occurrence_class,
     op_kind,
 )
@@ -92,6 +94,11 @@ def step_seconds(
     exposed = max(0.0, to_host - forward) + max(0.0, to_device - hidden_back)
     return forward + backward + exposed + policy_ops * device.policy_seconds_per_op
 
+
+# The ids of the ops whose name alone makes them "other" (Note [Op kinds]): a plan's policy
+# answers them first, from the op alone, since it meets every op of every region in training's
+# hot path. An op's overload lives as long as torch, so its id names it for good.
+_OTHER_OPS: set[int] = set()
 
 # Torch's selective checkpointing (CheckpointPolicy, create_selective_checkpoint_contexts) came
 # with 2.5, its offload values with 2.11 (gate SELECTIVE_OFFLOAD_POLICIES): before 2.11 a plan
@@ -127,21 +134,26 @@ def _policy(
     # (Note [Op kinds]).
     seen: collections.Counter[tuple[bool, str]] = collections.Counter()
     # A profile never ranks "other" (Note [Op kinds]): unless a plan names it, such an op, most
-    # of a region's, is recomputed without being counted.
+    # of a region's, is recomputed without being counted, told apart by the op alone.
     other_decided = any(name.split(" #")[0] == "other" for name in chosen)
     recompute = _POLICY_VALUES["recompute"]
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         del kwargs
+        if not other_decided and id(func) in _OTHER_OPS:
+            return recompute
         kind = op_kind(func, args)
         if kind == "other" and not other_decided:
+            if _named_kind(func.overloadpacket) == "other":
+                _OTHER_OPS.add(id(func))
             return recompute
         key = (bool(ctx.is_recompute), kind)
         seen[key] += 1
         decision = chosen.get(occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))
         return _POLICY_VALUES[decision]
 
-    return policy
+    # A plan that offloads nothing needs no offload wrapper around its contexts.
+    return policy if "offload" in chosen.values() else compat.never_offloading(policy)
 
 
 def _context_fn(
