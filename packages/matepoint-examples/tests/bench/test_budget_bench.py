@@ -81,6 +81,9 @@ def test_the_hugging_face_workload_plans_through_matepoints_integration() -> Non
     memory_plan = budget._plan(workload)
     # The layers' checkpoints are matepoint's: torch's checkpoint and none plan differently.
     assert memory_plan["torch"].peak_bytes < memory_plan["none"].peak_bytes
+    # A search plans the step again, transformers' packed-sequence search answered each time.
+    budget_plan = memory_plan.fastest_under(memory_plan["torch"].peak_bytes)
+    assert budget_plan.fits
 
 
 def test_the_frontier_is_drawn_from_saved_reports(tmp_path: Path) -> None:

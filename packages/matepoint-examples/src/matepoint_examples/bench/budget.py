@@ -407,8 +407,13 @@ def _plan(workload: BudgetWorkload) -> matepoint.MemoryPlan:
         model, inputs = workload.build()
     if not workload.hf:
         workload.set_checkpoint(model, functools.partial(matepoint.checkpoint, use_reentrant=False))
-    with workload.planning():
-        return matepoint.plan(lambda *args: workload.loss(model, args), *inputs)
+
+    def step(*args: Tensor) -> Tensor:
+        # The plan runs the step again for each search: the context goes with it.
+        with workload.planning():
+            return workload.loss(model, args)
+
+    return matepoint.plan(step, *inputs)
 
 
 def _budgets(names: Sequence[str], peaks: dict[str, int]) -> dict[str, int]:
