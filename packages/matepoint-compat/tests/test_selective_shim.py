@@ -202,3 +202,24 @@ def test_a_policy_marked_never_offloading_is_left_to_torch() -> None:
     assert compat.offloading_selective_contexts(contexts, Entry) is contexts
     unmarked = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
     assert compat.offloading_selective_contexts(unmarked, Entry) is not unmarked
+
+
+@needs_offload_values
+def test_the_offload_at_the_forwards_end_runs_outside_the_region() -> None:
+    """The offload callback's own ops are not asked about by the region's policy."""
+    asked: list[Any] = []
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(op)
+        return _policy(ctx, op, *args, **kwargs)
+
+    def offload(tensor: torch.Tensor) -> Entry:
+        return Entry(tensor.cos())  # an op of the callback's own
+
+    def context_fn() -> Any:
+        contexts = torch_checkpoint.create_selective_checkpoint_contexts(policy)
+        return compat.offloading_selective_contexts(contexts, offload)
+
+    x = torch.randn(8, requires_grad=True)
+    torch_checkpoint.checkpoint(torch.sin, x * 1, use_reentrant=False, context_fn=context_fn)
+    assert asked == [torch.ops.aten.sin.default]

@@ -166,9 +166,11 @@ class _OffloadingCachingMode(_CachingMode):  # type: ignore[misc]
     _matepoint_pending: _Pending
 
     def __exit__(self, *exc_info: Any) -> Any:
+        # Off the mode stack first: the offload's own ops are not the region's.
+        result = super().__exit__(*exc_info)
         if exc_info[0] is None:
             self._matepoint_pending.flush()
-        return super().__exit__(*exc_info)
+        return result
 
 
 def offloading_selective_contexts(contexts: Any, offload: Callable[[torch.Tensor], Any]) -> Any:
