@@ -56,12 +56,16 @@ Note [Bookkeeping without torch function modes]
     only the op itself runs with them in force, as it would without a tracker. Nothing the
     bookkeeping reads or makes depends on a mode: :class:`CudaKernels` passes every such call
     through, and the meta tensors it makes name their device and dtype.
+    Recent torch also wraps every dispatch mode's handler in a guard that keeps Dynamo from
+    compiling it, some 5 us an op, a tenth of a planned step; nothing compiles the planner's
+    meta step, so the tracker declines the guard through the hook torch gives mode authors
+    for that (``_should_skip_dynamo``, private; a plain unused classmethod where torch lacks it).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import cache, partial
 from typing import Any, cast
 
@@ -95,20 +99,30 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def tensors_in(value: Any) -> Iterator[Tensor]:
-    """Yield the tensors in an operator's arguments or results (tuples, lists, dicts).
+def tensors_in(value: Any) -> list[Tensor]:
+    """The tensors in an operator's arguments or results (tuples, lists, dicts), in order.
 
-    A hand-written walk: the planner calls it twice per op, where a pytree flatten, which
-    builds a spec it does not need, costs a fifth of a planned step.
+    A hand-written walk into one list: the planner calls it twice per op, where a pytree
+    flatten, which builds a spec it does not need, costs a fifth of a planned step, and
+    nested generators, a frame per level, cost half again as much as this.
     """
     if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
+        return [value]
+    found: list[Tensor] = []
+    _collect_tensors(value, found)
+    return found
+
+
+def _collect_tensors(value: Any, found: list[Tensor]) -> None:
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (tuple, list)):
+        return
+    for item in value:
+        if isinstance(item, Tensor):
+            found.append(item)
+        elif isinstance(item, (tuple, list, dict)):
+            _collect_tensors(item, found)
 
 
 # See Note [Meta results reused]: per op and argument signature, a template of each result (a
@@ -146,9 +160,9 @@ def _signature(value: Any) -> Any:
         plain = type(value) in (Tensor, torch.nn.Parameter) and value.is_meta
         if not plain or value.layout != torch.strided:
             raise TypeError("not a plain strided meta tensor")
-        return (Tensor, value.dtype, tuple(value.shape), value.stride())
+        return (Tensor, value.dtype, value.shape, value.stride())  # a torch.Size is a tuple
     if isinstance(value, (tuple, list)):
-        return (type(value), *(_signature(item) for item in value))
+        return (type(value), *[_signature(item) for item in value])
     if isinstance(value, _PLAIN_VALUES) or value is torch.contiguous_format:
         return (type(value), value)
     raise TypeError(f"cannot key a {type(value).__name__}")
@@ -163,7 +177,7 @@ def _reuse_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
             func,
             torch.get_default_dtype(),  # a factory without a dtype makes this one
             _signature(args),
-            _signature(sorted(kwargs.items())),
+            _signature(sorted(kwargs.items())) if kwargs else None,
         )
     except TypeError:
         return None  # an argument the cache cannot key: the op runs
@@ -234,6 +248,12 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         # Each watched storage's weak reference and counted bytes (None: never counted).
         self._watched: dict[int, tuple[weakref.ref[Any], int | None]] = {}
         self._leaves: list[tuple[Tensor, Tensor | None]] = []
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Keep torch from wrapping ``__torch_dispatch__``: Note [Bookkeeping without torch
+        function modes]."""
+        return False
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
