@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import matepoint
+import matepoint._budget
 import matepoint_compat as compat
 from matepoint._budget import AVAILABLE, OFFLOAD_AVAILABLE, step_seconds
 from matepoint._budget_profile import DeviceModel, op_kind
@@ -165,6 +166,29 @@ def test_a_roomy_budget_keeps_what_is_dear_to_recompute_and_the_step_gets_faster
     ranking = [kind.flops_per_byte for kind in budget.kinds]
     assert ranking == sorted(ranking, reverse=True)
     assert "planned peak" in str(budget)
+
+
+def test_a_kind_backward_never_recomputes_is_profiled_but_never_tried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The down projection runs after everything backward reads from a block: not worth a try."""
+    tried: list[dict[str, str]] = []
+    context_fn = matepoint._budget._context_fn
+
+    def logged(decisions: dict[str, Any], *args: Any) -> Any:
+        tried.append(decisions)
+        return context_fn(decisions, *args)
+
+    monkeypatch.setattr(matepoint._budget, "_context_fn", logged)
+    memory_plan = _plan()
+    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=FREE_POLICY)
+    recomputed = {kind.kind: kind.recomputed for kind in budget.kinds}
+    down = f"matmul {HIDDEN}x{WIDTH}"
+    assert recomputed.pop(down) == 0
+    assert set(recomputed.values()) == {BLOCKS}  # the rest, once per block
+    assert tried
+    assert not any(down in decisions for decisions in tried)
+    assert down not in dict(budget.decisions)
 
 
 def test_a_budget_below_every_block_says_so_and_names_the_smallest_that_fits() -> None:

@@ -13,7 +13,10 @@ figures; only the times are estimates.
 
 Note [The budget search]
     Kinds are ranked by recompute FLOPs per byte their outputs hold (attention near twice the
-    sequence length, a matrix product near its inner width) and taken best first. Any policy at
+    sequence length, a matrix product near its inner width) and taken best first; a kind the
+    profiled step's recomputation never runs (a block's last projection, after everything
+    backward reads: torch's recomputation stops before it) is skipped, as keeping or offloading
+    it saves nothing. Any policy at
     all costs host time on every op of the regions (``DeviceModel.policy_seconds_per_op``), the
     same whatever it keeps: the search compares choices without it, then keeps the policy only
     if what it saves pays for it (on a small, launch-bound model it may not). Each is kept on
@@ -366,7 +369,8 @@ def fastest_under(
     plain = best
     decisions: dict[str, Decision] = {}
     overflowed: list[KindProfile] = []  # kept everywhere, they did not fit
-    for kind in kinds if fits(best) else ():
+    # A kind backward never recomputes saves nothing kept or offloaded: not tried.
+    for kind in [kind for kind in kinds if kind.recomputed] if fits(best) else ():
         kept = attempt({**decisions, kind.kind: "keep"}, {}, best.settings)
         if fits(kept):  # an offload saves what keeping saves, and costs link time
             if kept.seconds < best.seconds:

@@ -20,7 +20,6 @@ Note [Op kinds]
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -98,12 +97,16 @@ class KindProfile:
         calls: How many times it runs in one forward.
         output_bytes: Bytes its outputs hold over the whole step.
         flops: FLOPs of its forward calls (what recomputing them costs).
+        recomputed: How many of its calls backward's recomputation runs again when nothing
+            is kept: 0 for an op after everything backward reads from a region (torch's
+            recomputation stops there), whose outputs are not worth keeping or offloading.
     """
 
     kind: str
     calls: int
     output_bytes: int
     flops: int
+    recomputed: int = 0
 
     @property
     def flops_per_byte(self) -> float:
@@ -120,19 +123,21 @@ class RegionProfiler:
     """A ``context_fn`` for every checkpoint call of a step that profiles each region's forward.
 
     Each call gives its region a dispatch mode as the forward context, so it sees exactly the
-    ops a selective-checkpoint policy would be asked about, and no others.
+    ops a selective-checkpoint policy would be asked about, and no others, and one as the
+    recomputation's context, which counts the ops backward runs again.
     """
 
     def __init__(self) -> None:
         self.regions = 0
         self.ops = 0
-        # Per kind and occurrence in its region: calls, output bytes and FLOPs, as first seen.
+        # Per kind and occurrence in its region: calls, output bytes, FLOPs and calls
+        # recomputed, as first seen.
         self.totals: dict[tuple[str, int], list[int]] = {}
         self.repeated: set[str] = set()
 
     def __call__(self) -> tuple[Any, Any]:
         self.regions += 1
-        return _RegionMode(self), contextlib.nullcontext()
+        return _RegionMode(self, recompute=False), _RegionMode(self, recompute=True)
 
     def kinds(self) -> list[KindProfile]:
         """The classes of op seen that hold bytes, best to keep first (Note [Op kinds])."""
@@ -146,11 +151,16 @@ class RegionProfiler:
 
 
 class _RegionMode(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Counts every op of one region's forward into its :class:`RegionProfiler`."""
+    """Counts every op of one region's forward, or of its recomputation, into its profiler.
 
-    def __init__(self, profiler: RegionProfiler) -> None:
+    The recomputation runs a region's ops in forward's order up to where it stops, so the
+    ``n``-th op of a kind there is the ``n``-th of forward.
+    """
+
+    def __init__(self, profiler: RegionProfiler, recompute: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.profiler = profiler
+        self.recompute = recompute
         self.seen: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(
@@ -161,12 +171,17 @@ class _RegionMode(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         kind = op_kind(func, args)
         self.seen[kind] += 1
         profiler = self.profiler
+        if self.recompute:
+            totals = profiler.totals.get((kind, self.seen[kind]))
+            if totals is not None:
+                totals[3] += 1
+            return out
         profiler.ops += 1
         if self.seen[kind] > 1:
             profiler.repeated.add(kind)
         output_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors_in(out))
         if kind != "other" and output_bytes:
-            totals = profiler.totals.setdefault((kind, self.seen[kind]), [0, 0, 0])
+            totals = profiler.totals.setdefault((kind, self.seen[kind]), [0, 0, 0, 0])
             totals[0] += 1
             totals[1] += output_bytes
             totals[2] += compat.op_flops(func, args, kwargs, out)
