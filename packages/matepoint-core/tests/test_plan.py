@@ -526,3 +526,17 @@ def test_a_plan_is_the_same_with_meta_results_reused_or_not() -> None:
     cold = planned()
     assert _plan_trace._meta_results  # the ops of the step were recorded
     assert planned() == cold
+
+
+def test_a_step_that_reads_a_value_names_the_cause() -> None:
+    with torch.device("meta"):
+        linear = torch.nn.Linear(4, 4)
+        x = torch.randn(2, 4)
+
+    def step(inputs: torch.Tensor) -> torch.Tensor:
+        y = matepoint.checkpoint(linear, inputs)
+        return y.sum() if y.sum() > 0 else y.mean()  # a branch on a value
+
+    with pytest.raises(RuntimeError, match="reads a tensor's value") as error:
+        matepoint.plan(step, x)
+    assert "meta tensors" in str(error.value.__cause__)

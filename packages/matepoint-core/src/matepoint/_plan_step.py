@@ -22,9 +22,10 @@ Note [Planner fidelity]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, cast
 
 import torch
@@ -281,6 +282,22 @@ def _loss_of(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torc
     return sum(terms[1:], terms[0])
 
 
+@contextlib.contextmanager
+def _value_reads_named() -> Iterator[None]:
+    """Name the cause when the step reads a tensor's value, which a meta tensor does not have."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "cannot be called on meta tensors" not in str(error):
+            raise
+        raise RuntimeError(
+            "the planned step reads a tensor's value (.item(), bool(), a branch on a tensor), "
+            f"which planning on the meta device cannot: it has shapes only ({error}). Remove "
+            "the read from the planned step or answer it as the real step would; see the "
+            "planner's limits in docs/planner.md"
+        ) from error
+
+
 def run_step(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -311,7 +328,13 @@ def run_step(
     """
     planned = PlannedStep(strategy, options, context_fn)
     tracker, engine = planned.tracker, planned.engine
-    with planning_scope(planned), compat.meta_checkpointing(), tracker, CudaKernels(tracker):
+    with (
+        _value_reads_named(),
+        planning_scope(planned),
+        compat.meta_checkpointing(),
+        tracker,
+        CudaKernels(tracker),
+    ):
         _adopt_existing(tracker, fn, (args, kwargs))
         with torch.enable_grad():
             loss = _loss_of(fn(*args, **kwargs), loss_fn)
