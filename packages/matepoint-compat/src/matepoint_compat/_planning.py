@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,7 +22,9 @@ from matepoint_compat._version import TORCH_2_6_PLUS, TORCH_2_9_PLUS
 __all__ = [
     "CUDA_FUSED_RMS_NORM",
     "TorchDispatchMode",
+    "UnguardedDispatchMode",
     "meta_checkpointing",
+    "no_torch_function_modes",
     "op_flops",
     "run_backward",
 ]
@@ -30,6 +32,25 @@ __all__ = [
 # ``torch.utils._python_dispatch.TorchDispatchMode`` is private but has kept the same
 # ``__torch_dispatch__(func, types, args, kwargs)`` protocol from 2.4 to 2.15; it is the only way
 # to see every operator (and so every allocation) of a step.
+
+no_torch_function_modes: Callable[[], contextlib.AbstractContextManager[Any]] = (
+    torch._C.DisableTorchFunction
+)
+"""A context with every torch function mode off (private; the same from 2.4 to 2.15)."""
+
+
+class UnguardedDispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A dispatch mode whose handler torch does not wrap in its guard against Dynamo.
+
+    Recent releases wrap every mode's ``__torch_dispatch__`` so that Dynamo never compiles it,
+    at a few microseconds an op; a mode that nothing compiles declines the guard through the
+    private hook torch gives mode authors for that. Before the hook, an unused classmethod.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
 
 CUDA_FUSED_RMS_NORM: bool = TORCH_2_9_PLUS and hasattr(torch.ops.aten, "_fused_rms_norm")
 """Whether ``F.rms_norm`` on CUDA runs one fused kernel that saves only its input and ``rstd``.

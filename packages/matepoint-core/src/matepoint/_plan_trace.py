@@ -58,8 +58,7 @@ Note [Bookkeeping without torch function modes]
     through, and the meta tensors it makes name their device and dtype.
     Recent torch also wraps every dispatch mode's handler in a guard that keeps Dynamo from
     compiling it, some 5 us an op, a tenth of a planned step; nothing compiles the planner's
-    meta step, so the tracker declines the guard through the hook torch gives mode authors
-    for that (``_should_skip_dynamo``, private; a plain unused classmethod where torch lacks it).
+    meta step, so the tracker declines the guard (``compat.UnguardedDispatchMode``).
 """
 
 from __future__ import annotations
@@ -78,10 +77,6 @@ from torch.utils.flop_counter import register_flop_formula
 import matepoint_compat as compat
 
 __all__ = ["CUBLAS_WORKSPACE_BYTES", "PHASES", "CudaKernels", "MemoryTracker", "tensors_in"]
-
-# torch function modes off (private; in every release from 2.4 to 2.15): Note [Bookkeeping
-# without torch function modes].
-_no_torch_function = torch._C.DisableTorchFunction
 
 # Bytes the CUDA caching allocator rounds every allocation up to (its ``kMinBlockSize``).
 ALLOCATION_GRANULARITY = 512
@@ -189,7 +184,7 @@ def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
     See Note [Meta results reused]. Only the op runs with torch function modes in force: see
     Note [Bookkeeping without torch function modes].
     """
-    with _no_torch_function():
+    with compat.no_torch_function_modes():
         key = _reuse_key(func, args, kwargs)
         known = _meta_results.get(key) if key is not None else None
         if known is not None:
@@ -197,7 +192,7 @@ def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
             results = tuple(_meta_like(template) for template in templates)
             return (results[0] if len(results) == 1 else results), flops
     out = func(*args, **kwargs)
-    with _no_torch_function():
+    with compat.no_torch_function_modes():
         flops = compat.op_flops(func, args, kwargs, out)
         produced: tuple[Any, ...] = out if isinstance(out, tuple) else (out,)
         if key is not None and all(
@@ -219,7 +214,7 @@ def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
     return out, flops
 
 
-class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
+class MemoryTracker(compat.UnguardedDispatchMode):
     """Count the bytes of live storages on the meta device (standing in for CUDA), and FLOPs.
 
     Args:
@@ -249,12 +244,6 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._watched: dict[int, tuple[weakref.ref[Any], int | None]] = {}
         self._leaves: list[tuple[Tensor, Tensor | None]] = []
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        """Keep torch from wrapping ``__torch_dispatch__``: Note [Bookkeeping without torch
-        function modes]."""
-        return False
-
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
@@ -262,7 +251,7 @@ class MemoryTracker(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self.paused:
             return func(*args, **kwargs)
         out, flops = _run_meta(func, args, kwargs)
-        with _no_torch_function():  # Note [Bookkeeping without torch function modes]
+        with compat.no_torch_function_modes():  # Note [Bookkeeping without torch function modes]
             self.watch((args, kwargs), preexisting=True)
             self.flops += flops
             if func.overloadpacket.__name__ in _MATRIX_PRODUCTS:
