@@ -33,7 +33,8 @@ import torch
 import matepoint_compat as compat
 from matepoint._engine import ChannelEngine
 from matepoint._options import OffloadSettings, ResolvedOptions
-from matepoint._plan_trace import PHASES, CudaKernels, MemoryTracker
+from matepoint._plan_kernels import CudaKernels
+from matepoint._plan_trace import PHASES, MemoryTracker
 from matepoint._registry import planning_scope
 from matepoint._saving import KeepReason, count_kept
 from matepoint._transport import Channel

@@ -20,20 +20,6 @@ Note [cuBLAS workspaces]
     recomputation) on autograd's device thread. Both workspaces exist from the first step on, so
     the planner counts one per phase that runs a product, as memory that predates the step.
 
-Note [CUDA kernel stand-ins]
-    On the meta device ``F.scaled_dot_product_attention`` takes the math path, which materialises
-    and saves the ``seq x seq`` attention matrix, and ``F.rms_norm`` saves a float32 copy of its
-    input. On CUDA both run fused kernels (flash or memory-efficient attention; the fused RMS
-    norm from torch 2.9) that save only their inputs, outputs and a few statistics. A planner
-    that ran the meta paths would overstate a transformer's activations several times over, so
-    while planning (:class:`CudaKernels`) these two calls are replaced by autograd functions that
-    allocate and save exactly what the CUDA kernels allocate and save, and count their FLOPs.
-    The attention stand-in's forward is one operator of its own (``matepoint_plan::
-    scaled_dot_product_attention``) rather than bare allocations, so that a selective-checkpoint
-    policy sees it as attention, as it sees CUDA's fused kernels (a budget plan may keep or
-    offload its outputs), and its FLOPs are counted only when it runs, not when a policy serves
-    it cached.
-
 Note [Meta results reused]
     A plan runs the same step once per strategy, and a budget search once per try: the same ops
     on tensors of the same shapes. For many ops torch computes a meta result in Python (its
@@ -48,13 +34,14 @@ Note [Meta results reused]
     Anything else runs as it is.
 
 Note [Bookkeeping without torch function modes]
-    Backward runs with :class:`CudaKernels` in force (``compat.run_backward``: the recomputation
-    must meet it), and a torch function mode sees every tensor method and property called while
-    it is in force, in Python, at ten times the call's own cost. The tracker reads a dozen of
+    Backward runs with ``CudaKernels`` (``matepoint._plan_kernels``) in force
+    (``compat.run_backward``: the recomputation must meet it), and a torch function mode sees
+    every tensor method and property called while it is in force, in Python, at ten times the
+    call's own cost. The tracker reads a dozen of
     them per op (storages, shapes, strides, dtypes), which made that mode's handler a third of
     a planned step's time. So the tracker does its bookkeeping with torch function modes off;
     only the op itself runs with them in force, as it would without a tracker. Nothing the
-    bookkeeping reads or makes depends on a mode: :class:`CudaKernels` passes every such call
+    bookkeeping reads or makes depends on a mode: ``CudaKernels`` passes every such call
     through, and the meta tensors it makes name their device and dtype.
     Recent torch also wraps every dispatch mode's handler in a guard that keeps Dynamo from
     compiling it, some 5 us an op, a tenth of a planned step; nothing compiles the planner's
@@ -64,19 +51,16 @@ Note [Bookkeeping without torch function modes]
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import cache, partial
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import register_flop_formula
 
 import matepoint_compat as compat
 
-__all__ = ["CUBLAS_WORKSPACE_BYTES", "PHASES", "CudaKernels", "MemoryTracker", "tensors_in"]
+__all__ = ["CUBLAS_WORKSPACE_BYTES", "PHASES", "MemoryTracker", "round_up", "tensors_in"]
 
 # Bytes the CUDA caching allocator rounds every allocation up to (its ``kMinBlockSize``).
 ALLOCATION_GRANULARITY = 512
@@ -90,7 +74,8 @@ PHASES = ("forward", "backward", "after")
 Sample = tuple[int, int, int, int, int]
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
     return -(-value // multiple) * multiple
 
 
@@ -282,7 +267,7 @@ class MemoryTracker(compat.UnguardedDispatchMode):
             # An op's inputs: one seen before can only have been resized as an output.
             if preexisting and key in self._watched:
                 continue
-            nbytes = _round_up(storage.nbytes(), ALLOCATION_GRANULARITY)
+            nbytes = round_up(storage.nbytes(), ALLOCATION_GRANULARITY)
             if key in self._watched:
                 reference, counted = self._watched[key]
                 if counted is None or counted == nbytes:  # a host block, or not resized
@@ -325,147 +310,3 @@ class MemoryTracker(compat.UnguardedDispatchMode):
         self.preexisting_bytes += len(self.product_phases) * CUBLAS_WORKSPACE_BYTES
         for tensor, grad in self._leaves:
             tensor.grad = grad
-
-
-def _attention_outputs(
-    query: Tensor, key: Tensor, value: Tensor, flops: int
-) -> tuple[Tensor, Tensor]:
-    """The output and log-sum-exp of a fused attention kernel, as it allocates them."""
-    batch, heads, seq_q, _ = query.shape
-    # The kernels write (batch, seq, heads, dim) and return it transposed, so the usual
-    # ``out.transpose(1, 2).reshape(b, t, d)`` afterwards is a view, not a copy.
-    out = query.new_empty((batch, seq_q, heads, value.shape[-1])).transpose(1, 2)
-    return out, query.new_empty((batch, heads, seq_q), dtype=torch.float32)
-
-
-# The planner's attention operator: it runs on meta tensors only, where the fake implementation
-# gives its outputs. The schema is spelled out: this module's annotations are strings, which
-# torch 2.4 cannot infer a schema from.
-_attention_op = torch.library.custom_op(
-    "matepoint_plan::scaled_dot_product_attention",
-    mutates_args=(),
-    schema="(Tensor query, Tensor key, Tensor value, int flops) -> (Tensor, Tensor)",
-)(_attention_outputs)
-_attention_op.register_fake(_attention_outputs)
-
-
-@register_flop_formula(torch.ops.matepoint_plan.scaled_dot_product_attention)
-def _attention_op_flops(query: Any, key: Any, value: Any, flops: int, **_: Any) -> int:
-    return flops
-
-
-class _Attention(torch.autograd.Function):
-    """Flash / memory-efficient attention: saves q, k, v, the output and its log-sum-exp.
-
-    Its inputs are the query, key and value, and the mask if there is one (saved as well).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, tracker: MemoryTracker, flops: int, *inputs: Tensor) -> Tensor:
-        outputs: tuple[Tensor, Tensor] = _attention_op(*inputs[:3], flops)
-        ctx.save_for_backward(*inputs[:3], *outputs, *inputs[3:])
-        ctx.tracker, ctx.flops = tracker, flops
-        return outputs[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        query, key, value = ctx.saved_tensors[:3]
-        batch, heads, seq_q, dim = query.shape
-        scratch: list[Tensor] = []
-        if query.dtype in (torch.float16, torch.bfloat16):
-            # FlashAttention-2's backward accumulates dq in float32 and keeps softmax row sums.
-            rows = _round_up(seq_q, 128)
-            scratch.append(
-                query.new_empty((batch, rows, heads, _round_up(dim, 8)), dtype=torch.float32)
-            )
-            scratch.append(query.new_empty((batch, heads, rows), dtype=torch.float32))
-        # The kernels write all three gradients; autograd drops those of inputs without grad.
-        grads = [torch.empty_like(tensor) for tensor in (query, key, value)]
-        del scratch
-        ctx.tracker.flops += 2 * ctx.flops
-        return (None, None, *grads, None)  # the last for the mask: dropped when there is none
-
-
-class _RMSNorm(torch.autograd.Function):
-    """torch's fused CUDA RMS norm: saves its input and the float32 ``rstd`` only."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, normalized_dims: int, weight: Tensor | None) -> Tensor:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        stats_shape = (*x.shape[: x.dim() - normalized_dims], *(1,) * normalized_dims)
-        stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        ctx.save_for_backward(x, x.new_empty(stats_shape, dtype=stat_dtype), weight)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-        x, _, weight = ctx.saved_tensors
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        needs_weight = weight is not None and ctx.needs_input_grad[2]
-        return grad_x, None, torch.empty_like(weight) if needs_weight else None
-
-
-class CudaKernels(TorchFunctionMode):
-    """Route attention and RMS norm on meta tensors to stand-ins that mirror CUDA's kernels.
-
-    See Note [CUDA kernel stand-ins]. Anything they do not cover (other devices, other shapes,
-    a mask that needs gradients) runs the call unchanged.
-
-    Args:
-        tracker: The step's tracker, which the stand-ins give their FLOPs to.
-    """
-
-    def __init__(self, tracker: MemoryTracker) -> None:
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        result = None
-        if func is F.scaled_dot_product_attention:
-            result = self._attention(*args, **kwargs)
-        elif func is F.rms_norm and compat.CUDA_FUSED_RMS_NORM:
-            result = self._rms_norm(*args, **kwargs)
-        return func(*args, **kwargs) if result is None else result
-
-    def _attention(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attn_mask: Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        **_: Any,
-    ) -> Tensor | None:
-        if (
-            any(t.device.type != "meta" or t.dim() != 4 for t in (query, key, value))
-            or not query.is_floating_point()
-            or (attn_mask is not None and attn_mask.requires_grad)
-        ):
-            return None
-        batch, heads, seq_q, dim = query.shape
-        # Forward FLOPs: ``QK^T`` and ``PV``, halved when causal (masked tiles are skipped).
-        flops = 2 * batch * heads * seq_q * key.shape[-2] * (dim + value.shape[-1])
-        flops = flops // 2 if is_causal else flops
-        inputs = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
-        return cast(Tensor, _Attention.apply(self.tracker, flops, *inputs))  # type: ignore[no-untyped-call]
-
-    def _rms_norm(
-        self,
-        x: Tensor,
-        normalized_shape: Sequence[int],
-        weight: Tensor | None = None,
-        eps: Any = None,
-    ) -> Tensor | None:
-        dims = len(normalized_shape)
-        if (
-            x.device.type != "meta"
-            or not x.is_floating_point()
-            or tuple(x.shape[x.dim() - dims :]) != tuple(normalized_shape)
-            or (weight is not None and weight.dtype != x.dtype)
-        ):
-            return None
-        return cast(Tensor, _RMSNorm.apply(x, dims, weight))  # type: ignore[no-untyped-call]
