@@ -7,6 +7,7 @@ records what it was given, so a release that changes the storage shows up here f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -42,6 +43,25 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return policy.PREFER_RECOMPUTE
 
 
+def _recorder(entries: list[Entry]) -> Callable[[torch.Tensor], Entry]:
+    """An offload callback that keeps each entry it makes in ``entries``."""
+
+    def offload(tensor: torch.Tensor) -> Entry:
+        entries.append(Entry(tensor))
+        return entries[-1]
+
+    return offload
+
+
+def _offloading(
+    offload: Callable[[torch.Tensor], Any], policy: Callable[..., Any] = _policy
+) -> Callable[[], Any]:
+    """A ``context_fn``: torch's selective pair around ``policy``, offloaded by ``offload``."""
+    return lambda: compat.offloading_selective_contexts(
+        torch_checkpoint.create_selective_checkpoint_contexts(policy), offload
+    )
+
+
 def test_offload_values_are_the_two_cpu_ones() -> None:
     names = {value.name for value in compat.SELECTIVE_OFFLOAD_POLICIES}
     assert names in (set(), {"MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"})
@@ -66,10 +86,7 @@ def test_other_contexts_are_left_to_torch() -> None:
 @needs_offload_values
 def test_offloaded_outputs_are_stored_as_the_callbacks_entries_and_not_recomputed() -> None:
     entries: list[Entry] = []
-
-    def offload(tensor: torch.Tensor) -> Entry:
-        entries.append(Entry(tensor))
-        return entries[-1]
+    offload = _recorder(entries)
 
     def context_fn() -> Any:
         contexts = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
@@ -124,13 +141,9 @@ def test_offload_callback_sees_the_outputs_version_counter() -> None:
         seen.append((alias, alias._version))
         return Entry(tensor)
 
-    def context_fn() -> Any:
-        contexts = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
-        return compat.offloading_selective_contexts(contexts, offload)
-
     x = torch.randn(8, requires_grad=True)
     torch_checkpoint.checkpoint(
-        lambda t: t.sin().mul_(2), x * 1, use_reentrant=False, context_fn=context_fn
+        lambda t: t.sin().mul_(2), x * 1, use_reentrant=False, context_fn=_offloading(offload)
     )
     ((alias, version),) = seen
     assert alias._version == version + 1
@@ -142,18 +155,11 @@ def test_an_offloaded_last_op_is_replaced_when_the_forward_ends(region: str) -> 
     """Note [Offloading an entry once it is stored]: the mode's exit replaces the last entry."""
     entries: list[Entry] = []
 
-    def offload(tensor: torch.Tensor) -> Entry:
-        entries.append(Entry(tensor))
-        return entries[-1]
-
     def function(t: torch.Tensor) -> torch.Tensor:
         return t.sin() if region == "sin last" else t.sin().sin()
 
-    def context_fn() -> Any:
-        contexts = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
-        return compat.offloading_selective_contexts(contexts, offload)
-
     x = torch.randn(8, requires_grad=True)
+    context_fn = _offloading(_recorder(entries))
     out = torch_checkpoint.checkpoint(function, x * 1, use_reentrant=False, context_fn=context_fn)
     # Two sins of one key: each entry replaced, the second at the exit.
     assert len(entries) == (1 if region == "sin last" else 2)
@@ -169,24 +175,16 @@ def test_a_forward_that_raises_offloads_nothing_more() -> None:
     """An exception right after an offloaded op: its entry is not replaced, nothing runs late."""
     entries: list[Entry] = []
 
-    def offload(tensor: torch.Tensor) -> Entry:
-        entries.append(Entry(tensor))
-        return entries[-1]
-
     def failing(t: torch.Tensor) -> torch.Tensor:
         t.sin()
         raise ValueError("boom")
-
-    def context_fn() -> Any:
-        contexts = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
-        return compat.offloading_selective_contexts(contexts, offload)
 
     with pytest.raises(ValueError, match="boom"):
         torch_checkpoint.checkpoint(
             failing,
             torch.randn(8, requires_grad=True) * 1,
             use_reentrant=False,
-            context_fn=context_fn,
+            context_fn=_offloading(_recorder(entries)),
         )
     assert entries == []
 
@@ -216,10 +214,7 @@ def test_the_offload_at_the_forwards_end_runs_outside_the_region() -> None:
     def offload(tensor: torch.Tensor) -> Entry:
         return Entry(tensor.cos())  # an op of the callback's own
 
-    def context_fn() -> Any:
-        contexts = torch_checkpoint.create_selective_checkpoint_contexts(policy)
-        return compat.offloading_selective_contexts(contexts, offload)
-
     x = torch.randn(8, requires_grad=True)
+    context_fn = _offloading(offload, policy)
     torch_checkpoint.checkpoint(torch.sin, x * 1, use_reentrant=False, context_fn=context_fn)
     assert asked == [torch.ops.aten.sin.default]
