@@ -14,6 +14,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
 from matepoint_examples.bench import budget
+from matepoint_examples.bench._budget_report import print_report
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch_checkpoint, "CheckpointPolicy"),
@@ -131,7 +132,7 @@ def test_where_torch_runs_out_of_memory_the_table_gives_the_ratio_to_matepoint(
             },
         },
     }
-    budget._print(report)
+    print_report(report)
     lines = capsys.readouterr().out.splitlines()
     assert "step / matepoint" in lines[1]
     torch_row, plan_row = lines[2].split(), lines[4].split()

@@ -51,8 +51,8 @@ from torch import Tensor, nn
 import matepoint
 import matepoint.integrations
 from matepoint._budget_profile import op_kind
+from matepoint_examples.bench._budget_report import plot_frontier, print_report, verdicts
 from matepoint_examples.bench._paired import per_round_ratios, quartiles, round_order
-from matepoint_examples.bench._report import ratio_cell
 from matepoint_examples.models import GPTConfig, LlamaConfig, LlamaStack, NanoGPT
 
 __all__ = [
@@ -64,7 +64,6 @@ __all__ = [
     "selective_policy",
 ]
 
-_GIB = float(1 << 30)
 CheckpointFn = Callable[..., Any]
 
 
@@ -522,7 +521,10 @@ def run(
             row["error"] = runner.errors[name]
         planned = name in ("torch", "none", "matepoint")
         row["planned_peak_bytes"] = predicted(memory_plan[name].peak_bytes) if planned else None
+        row["seconds"] = times[name]
         rows[name] = row
+    for name, verdict in verdicts(plans, times, peaks, runner.errors).items():
+        plans[name]["verdict"] = verdict
     return {
         "workload": workload_name,
         "rounds": rounds,
@@ -535,74 +537,6 @@ def run(
         "plans": plans,
         "rows": rows,
     }
-
-
-def plot_frontier(reports: Sequence[dict[str, Any]], path: Path) -> None:
-    """Step ratio against measured peak, one panel per report: the frontier of each workload.
-
-    Each strategy keeps its colour and marker in every panel (stars: budget plans, squares:
-    torch compiled), with the interquartile range as a vertical bar and one legend for all;
-    dotted lines are the budgets, a red line the device-memory cap.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(name for report in reports for name in report["rows"]))
-    colours = {name: plt.get_cmap("tab10")(index % 10) for index, name in enumerate(names)}
-    figure, axes = plt.subplots(1, len(reports), figsize=(5.5 * len(reports), 4.5), squeeze=False)
-    handles: dict[str, Any] = {}
-    for axis, report in zip(axes[0], reports, strict=True):
-        for name, row in report["rows"].items():
-            peak = row.get("peak_bytes")
-            if "ratio" not in row or peak is None or peak < 0:
-                continue
-            planned = name.startswith("budget@")
-            marker = "*" if planned else ("s" if name.startswith("compiled") else "o")
-            x, y = peak / _GIB, row["ratio"]
-            axis.vlines(x, row["ratio_q1"], row["ratio_q3"], color=colours[name], linewidth=1)
-            handles[name] = axis.scatter(
-                x, y, marker=marker, s=140 if planned else 45, color=colours[name], zorder=3
-            )
-        for plan in report["plans"].values():
-            axis.axvline(plan["budget_bytes"] / _GIB, color="grey", linestyle=":", linewidth=0.8)
-        cap = report.get("device_memory_cap_bytes")
-        if cap:
-            axis.axvline(cap / _GIB, color="red", linewidth=0.8)
-        axis.set_title(f"{report['workload']} ({report['device']}, torch {report['torch']})")
-        axis.set_xlabel("measured peak device memory (GiB)")
-        axis.set_ylabel("step time / torch checkpoint on every block")
-        axis.grid(alpha=0.3)
-    figure.legend(
-        list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 5)
-    )
-    figure.tight_layout(rect=(0, 0.12, 1, 1))
-    figure.savefig(path, dpi=120)
-
-
-def _print(report: dict[str, Any]) -> None:
-    print(f"{report['workload']}: {report['rounds']} rounds on {report['device']}")
-    print(
-        f"{'strategy':<20}{'step / torch':>24}{'step / matepoint':>24}"
-        f"{'peak GiB':>10}{'predicted':>11}"
-    )
-    predicted = {name: plan["predicted_peak_bytes"] for name, plan in report["plans"].items()}
-
-    def ratio(row: dict[str, Any], label: str) -> str:
-        return ratio_cell(row.get(label), row.get(f"{label}_q1"), row.get(f"{label}_q3"))
-
-    for name, row in report["rows"].items():
-        planned = predicted.get(name, row["planned_peak_bytes"])
-        peak = row["peak_bytes"]
-        print(
-            f"{name:<20}{ratio(row, 'ratio'):>24}{ratio(row, 'to_matepoint'):>24}"
-            f"{'-' if peak is None or peak < 0 else f'{peak / _GIB:.2f}':>10}"
-            f"{'-' if planned is None else f'{planned / _GIB:.2f}':>11}"
-        )
-    for name, row in report["rows"].items():
-        if "error" in row:
-            print(f"{name} failed: {row['error']}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -652,7 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget_names = [name.strip() for name in args.budgets.split(",") if name.strip()]
     report = run(args.workload, args.rounds, args.warmup, budget_names, args.compiled)
     report["device_memory_cap_bytes"] = args.device_memory
-    _print(report)
+    print_report(report)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -1,0 +1,185 @@
+"""The budget benchmark's report: each budget's verdict, the table, and the frontier plot.
+
+The verdict is computed, not read off the table: which eager peers fit a budget is a comparison
+of measured peaks against it, and a plan's standing against the fastest of them is a paired
+ratio (the plan's step divided by that peer's in the same round), not a difference of two
+medians taken against a third strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from matepoint_examples.bench._paired import per_round_ratios, quartiles
+from matepoint_examples.bench._report import ratio_cell
+
+__all__ = ["is_peer", "plot_frontier", "print_report", "verdicts"]
+
+_GIB = float(1 << 30)
+
+
+def is_peer(name: str) -> bool:
+    """Whether strategy ``name`` is an eager peer of the plans (not a plan, not compiled)."""
+    return not name.startswith(("budget@", "compiled"))
+
+
+def verdicts(
+    plans: Mapping[str, Mapping[str, Any]],
+    times: Mapping[str, Sequence[float | None]],
+    peaks: Mapping[str, int],
+    errors: Mapping[str, str],
+) -> dict[str, dict[str, Any]]:
+    """Judge each budget plan: its peak against budget and prediction, its step against peers.
+
+    The peers are the eager strategies that fit the plan's budget; the one to beat is the
+    fastest of them, the plan compared with it round by round.
+
+    Args:
+        plans: Per budget plan's name, at least ``budget_bytes`` and ``predicted_peak_bytes``.
+        times: Per strategy, its step time in each round (``None`` where it did not run).
+        peaks: Per strategy, its measured peak (negative where it ran out of memory).
+        errors: The strategies that failed, with why.
+
+    Returns:
+        Per plan: ``measured_peak_bytes``, ``within_budget``, ``predicted_error`` (predicted over
+        measured, less one), the peers that fit and those that do not (with their peaks), the
+        fastest peer that fits (the one the plan's median per-round ratio is largest against)
+        and the plan's per-round ratio to it (``to_fastest_peer`` and its quartiles; ``standing``:
+        ``ahead`` where the whole interquartile range is below 1, ``behind`` where it is above,
+        ``tied`` otherwise). A plan that did not run in every round gets no standing.
+    """
+    results: dict[str, dict[str, Any]] = {}
+    for name, plan in plans.items():
+        budget = int(plan["budget_bytes"])
+        peak = peaks.get(name, -1)
+        result: dict[str, Any] = {
+            "budget_bytes": budget,
+            "measured_peak_bytes": peak,
+            "within_budget": 0 <= peak <= budget and name not in errors,
+            "predicted_error": plan["predicted_peak_bytes"] / peak - 1 if peak > 0 else None,
+        }
+        fitting: list[str] = []
+        too_large: dict[str, int] = {}
+        for peer in filter(is_peer, times):
+            peer_peak = peaks.get(peer, -1)
+            ran = peer not in errors and bool(times[peer]) and None not in times[peer]
+            if ran and 0 <= peer_peak <= budget:
+                fitting.append(peer)
+            else:
+                too_large[peer] = peer_peak
+        result.update(fitting_peers=fitting, peers_over_budget=too_large)
+        complete = name not in errors and bool(times.get(name)) and None not in times[name]
+        if fitting and complete:
+            # The fastest peer is the one the plan's paired ratio is largest against.
+            against = {peer: quartiles(per_round_ratios(times, peer)[name]) for peer in fitting}
+            fastest = max(fitting, key=lambda peer: against[peer][1])
+            q1, median, q3 = against[fastest]
+            standing = "ahead" if q3 < 1.0 else ("behind" if q1 > 1.0 else "tied")
+            result.update(
+                fastest_peer=fastest,
+                to_fastest_peer=median,
+                to_fastest_peer_q1=q1,
+                to_fastest_peer_q3=q3,
+                standing=standing,
+            )
+        results[name] = result
+    return results
+
+
+def _verdict_line(name: str, verdict: Mapping[str, Any]) -> str:
+    peak = verdict["measured_peak_bytes"]
+    budget = verdict["budget_bytes"] / _GIB
+    if not verdict["within_budget"]:
+        memory = f"OVER the budget of {budget:.2f} GiB (peak {peak / _GIB:.2f})"
+    else:
+        memory = f"peak {peak / _GIB:.2f} of {budget:.2f} GiB"
+    if verdict["predicted_error"] is not None:
+        memory += f", predicted {verdict['predicted_error']:+.2%}"
+    over = ", ".join(
+        f"{peer} {'out of memory' if size < 0 else f'{size / _GIB:.2f} GiB'}"
+        for peer, size in verdict["peers_over_budget"].items()
+    )
+    if "fastest_peer" not in verdict:
+        standing = "no peer that fits" if not verdict["fitting_peers"] else "did not run"
+    else:
+        cell = ratio_cell(
+            verdict["to_fastest_peer"],
+            verdict["to_fastest_peer_q1"],
+            verdict["to_fastest_peer_q3"],
+        )
+        standing = f"{verdict['standing']} of {verdict['fastest_peer']}: {cell}"
+    return f"{name}: {memory}; {standing}" + (f" (over the budget: {over})" if over else "")
+
+
+def print_report(report: Mapping[str, Any]) -> None:
+    """Print a report's table (step ratios, peaks) and each budget plan's verdict."""
+    print(f"{report['workload']}: {report['rounds']} rounds on {report['device']}")
+    print(
+        f"{'strategy':<20}{'step / torch':>24}{'step / matepoint':>24}"
+        f"{'peak GiB':>10}{'predicted':>11}"
+    )
+    predicted = {name: plan["predicted_peak_bytes"] for name, plan in report["plans"].items()}
+
+    def ratio(row: Mapping[str, Any], label: str) -> str:
+        return ratio_cell(row.get(label), row.get(f"{label}_q1"), row.get(f"{label}_q3"))
+
+    for name, row in report["rows"].items():
+        planned = predicted.get(name, row["planned_peak_bytes"])
+        peak = row["peak_bytes"]
+        print(
+            f"{name:<20}{ratio(row, 'ratio'):>24}{ratio(row, 'to_matepoint'):>24}"
+            f"{'-' if peak is None or peak < 0 else f'{peak / _GIB:.2f}':>10}"
+            f"{'-' if planned is None else f'{planned / _GIB:.2f}':>11}"
+        )
+    for name, row in report["rows"].items():
+        if "error" in row:
+            print(f"{name} failed: {row['error']}")
+    for name, plan in report["plans"].items():
+        if "verdict" in plan:
+            print(_verdict_line(name, plan["verdict"]))
+
+
+def plot_frontier(reports: Sequence[dict[str, Any]], path: Path) -> None:
+    """Step ratio against measured peak, one panel per report: the frontier of each workload.
+
+    Each strategy keeps its colour and marker in every panel (stars: budget plans, squares:
+    torch compiled), with the interquartile range as a vertical bar and one legend for all;
+    dotted lines are the budgets, a red line the device-memory cap.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(name for report in reports for name in report["rows"]))
+    colours = {name: plt.get_cmap("tab10")(index % 10) for index, name in enumerate(names)}
+    figure, axes = plt.subplots(1, len(reports), figsize=(5.5 * len(reports), 4.5), squeeze=False)
+    handles: dict[str, Any] = {}
+    for axis, report in zip(axes[0], reports, strict=True):
+        for name, row in report["rows"].items():
+            peak = row.get("peak_bytes")
+            if "ratio" not in row or peak is None or peak < 0:
+                continue
+            planned = name.startswith("budget@")
+            marker = "*" if planned else ("s" if name.startswith("compiled") else "o")
+            x, y = peak / _GIB, row["ratio"]
+            axis.vlines(x, row["ratio_q1"], row["ratio_q3"], color=colours[name], linewidth=1)
+            handles[name] = axis.scatter(
+                x, y, marker=marker, s=140 if planned else 45, color=colours[name], zorder=3
+            )
+        for plan in report["plans"].values():
+            axis.axvline(plan["budget_bytes"] / _GIB, color="grey", linestyle=":", linewidth=0.8)
+        cap = report.get("device_memory_cap_bytes")
+        if cap:
+            axis.axvline(cap / _GIB, color="red", linewidth=0.8)
+        axis.set_title(f"{report['workload']} ({report['device']}, torch {report['torch']})")
+        axis.set_xlabel("measured peak device memory (GiB)")
+        axis.set_ylabel("step time / torch checkpoint on every block")
+        axis.grid(alpha=0.3)
+    figure.legend(
+        list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 5)
+    )
+    figure.tight_layout(rect=(0, 0.12, 1, 1))
+    figure.savefig(path, dpi=120)

@@ -1,0 +1,110 @@
+"""Each budget plan's verdict: which peers fit, the fastest of them, the plan's paired ratio."""
+
+from __future__ import annotations
+
+import pytest
+
+from matepoint_examples.bench._budget_report import print_report, verdicts
+
+GIB = 1 << 30
+
+
+def _plans(
+    budget_gib: float, predicted_gib: float, name: str = "budget@mid"
+) -> dict[str, dict[str, float]]:
+    return {
+        name: {
+            "budget_bytes": budget_gib * GIB,
+            "predicted_peak_bytes": predicted_gib * GIB,
+        }
+    }
+
+
+def test_a_peer_over_the_budget_is_not_the_one_to_beat() -> None:
+    # The peer fastest overall holds more than the budget: the plan is judged against the
+    # fastest of those that fit, by its ratio to that peer round by round.
+    times = {
+        "torch": [1.00, 1.10, 0.90, 1.00],
+        "sac-every-matmul": [0.90, 0.99, 0.81, 0.90],
+        "none": [0.80, 0.88, 0.72, 0.80],
+        "sac-attention-down": [1.02, 1.12, 0.92, 1.02],
+        "budget@mid": [0.97, 1.07, 0.87, 0.97],
+        "budget@mid model": [0.99, 1.09, 0.89, 0.99],
+    }
+    peaks = {
+        "torch": 9 * GIB,
+        "sac-every-matmul": int(14.7 * GIB),
+        "none": 20 * GIB,
+        "sac-attention-down": 10 * GIB,
+        "budget@mid": int(14.2 * GIB),
+        "budget@mid model": 9 * GIB,
+    }
+    verdict = verdicts(_plans(14.45, 14.2), times, peaks, {})["budget@mid"]
+    assert verdict["within_budget"]
+    assert verdict["predicted_error"] == pytest.approx(0.0, abs=1e-3)
+    assert verdict["fitting_peers"] == ["torch", "sac-attention-down"]
+    assert verdict["peers_over_budget"] == {
+        "sac-every-matmul": peaks["sac-every-matmul"],
+        "none": 20 * GIB,
+    }
+    assert verdict["fastest_peer"] == "torch"
+    assert verdict["to_fastest_peer"] == pytest.approx(0.97, abs=0.002)
+    assert verdict["standing"] == "ahead"
+
+
+def test_a_plan_behind_its_peer_or_over_its_budget_says_so() -> None:
+    times = {"torch": [1.0, 1.0, 1.0], "budget@mid": [1.05, 1.06, 1.04]}
+    peaks = {"torch": 9 * GIB, "budget@mid": 15 * GIB}
+    verdict = verdicts(_plans(14.45, 14.0), times, peaks, {})["budget@mid"]
+    assert not verdict["within_budget"]
+    assert verdict["predicted_error"] == pytest.approx(14 / 15 - 1)
+    assert verdict["standing"] == "behind"
+
+
+def test_a_peer_that_ran_out_of_memory_or_failed_does_not_fit() -> None:
+    times = {
+        "torch": [None, None],
+        "matepoint": [1.0, 1.0],
+        "sac-every-matmul": [0.5, 0.5],
+        "budget@24GiB": [0.99, 1.01],
+    }
+    peaks = {
+        "torch": -1,
+        "matepoint": 16 * GIB,
+        "sac-every-matmul": 8 * GIB,
+        "budget@24GiB": 22 * GIB,
+    }
+    errors = {"sac-every-matmul": "a RuntimeError"}
+    verdict = verdicts(_plans(24, 22, "budget@24GiB"), times, peaks, errors)["budget@24GiB"]
+    assert verdict["fitting_peers"] == ["matepoint"]
+    assert verdict["fastest_peer"] == "matepoint"
+    assert verdict["standing"] == "tied"
+    assert set(verdict["peers_over_budget"]) == {"torch", "sac-every-matmul"}
+
+
+def test_no_standing_where_no_peer_fits_or_the_plan_did_not_run() -> None:
+    peaks = {"torch": 20 * GIB, "budget@mid": -1}
+    verdict = verdicts(_plans(14, 13), {"torch": [1.0], "budget@mid": [None]}, peaks, {})
+    assert "fastest_peer" not in verdict["budget@mid"]
+    assert not verdict["budget@mid"]["within_budget"]
+    assert verdict["budget@mid"]["predicted_error"] is None
+
+
+def test_the_printed_report_ends_with_each_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    times = {"torch": [1.0, 1.0], "sac-every-matmul": [0.9, 0.9], "budget@mid": [0.95, 0.97]}
+    peaks = {"torch": 9 * GIB, "sac-every-matmul": 15 * GIB, "budget@mid": 14 * GIB}
+    plans = _plans(14.45, 14.0)
+    plans["budget@mid"]["verdict"] = verdicts(plans, times, peaks, {})["budget@mid"]  # type: ignore[assignment]
+    report = {
+        "workload": "hf-llama16",
+        "rounds": 2,
+        "device": "a GPU",
+        "plans": plans,
+        "rows": {name: {"peak_bytes": peaks[name], "planned_peak_bytes": None} for name in times},
+    }
+    print_report(report)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(
+        "budget@mid: peak 14.00 of 14.45 GiB, predicted +0.00%; ahead of torch: 0.960"
+    )
+    assert last.endswith("(over the budget: sac-every-matmul 15.00 GiB)")
