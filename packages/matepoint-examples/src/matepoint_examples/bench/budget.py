@@ -369,11 +369,14 @@ def _choice(plan: matepoint.BudgetPlan) -> tuple[Any, ...]:
 
 
 def _measure_finalists(
-    runner: _Runner, rounds: int = 8
+    runner: _Runner, rounds: int = 20
 ) -> Callable[[Sequence[matepoint.BudgetPlan]], list[float]]:
     """A ``measure=`` for the budget search: the finalists' steps alternated, paired.
 
-    One warm-up round, then ``rounds``. A finalist's time is a reference finalist's median step
+    One warm-up round, then ``rounds``: a plan with a selective policy is host-bound in
+    stretches on a fast device (its step runs at either of two speeds, the slower one for
+    several steps in a row; docs/budget.md), and 8 rounds fell in one such stretch and chose
+    the slower finalist. A finalist's time is a reference finalist's median step
     times the median of its per-round ratios to that reference (the pairing the other
     strategies are compared with; a median of each one's own times mixes the host's drift into
     the comparison); one that ran out of memory in any round measures ``math.inf`` (Note
