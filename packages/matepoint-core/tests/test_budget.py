@@ -21,7 +21,8 @@ from torch import nn
 import matepoint
 import matepoint._budget
 import matepoint_compat as compat
-from matepoint._budget import AVAILABLE, OFFLOAD_AVAILABLE, step_seconds
+from matepoint._budget import step_seconds
+from matepoint._budget_plan import AVAILABLE, OFFLOAD_AVAILABLE
 from matepoint._budget_profile import DeviceModel, op_kind
 from matepoint.testing import CPUTestTransport, use_transport
 

@@ -9,7 +9,7 @@ stream that overlaps compute.
 import sys
 
 import matepoint_compat as _compat
-from matepoint._budget import BudgetPlan
+from matepoint._budget_plan import BudgetPlan
 from matepoint._budget_profile import DeviceModel
 from matepoint._calibrate import calibrate
 from matepoint._checkpoint import checkpoint, checkpoint_sequential

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from matepoint._budget import BudgetPlan, fastest_under
+from matepoint._budget import fastest_under
+from matepoint._budget_plan import BudgetPlan
 from matepoint._budget_profile import DeviceModel
 from matepoint._options import OffloadOptions, OffloadSettings, get_options, resolve
 from matepoint._plan_step import Planned, SavedInput, StrategyPlan, TimelinePoint, run_step

@@ -1,0 +1,217 @@
+"""A budget plan: the choice the search made, and the selective-checkpoint policy that applies it.
+
+The search (``matepoint._budget``) decides keep, offload or recompute per kind of op; a
+:class:`BudgetPlan` carries that choice with its planned figures, and its ``context_fn`` turns
+the choice into torch's selective-checkpoint contexts on every checkpoint call, a fresh policy
+per region (Note [A plan's regions]).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch.utils.checkpoint as torch_checkpoint
+
+import matepoint_compat as compat
+from matepoint._budget_profile import KindProfile, _named_kind, occurrence_class, op_kind
+from matepoint._plan_step import StrategyPlan
+
+__all__ = ["AVAILABLE", "OFFLOAD_AVAILABLE", "BudgetPlan", "Decision"]
+
+Decision = Literal["keep", "offload", "recompute"]
+_GIB = float(1 << 30)
+
+
+# The ids of the ops whose name alone makes them "other" (Note [Op kinds]): a plan's policy
+# answers them first, from the op alone, since it meets every op of every region in training's
+# hot path. An op's overload lives as long as torch, so its id names it for good.
+_OTHER_OPS: set[int] = set()
+
+# Torch's selective checkpointing (CheckpointPolicy, create_selective_checkpoint_contexts) came
+# with 2.5, its offload values with 2.11 (gate SELECTIVE_OFFLOAD_POLICIES): before 2.11 a plan
+# keeps or recomputes only; before 2.5 there is no budget plan.
+AVAILABLE = compat.TORCH_2_5_PLUS
+OFFLOAD_AVAILABLE = bool(compat.SELECTIVE_OFFLOAD_POLICIES)
+_POLICY_VALUES: dict[str, Any] = {}
+if AVAILABLE:
+    _POLICY_VALUES["keep"] = torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    _POLICY_VALUES["recompute"] = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+if OFFLOAD_AVAILABLE:
+    _POLICY_VALUES["offload"] = torch_checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
+
+
+def _policy(
+    decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int, region: int
+) -> Callable[..., Any]:
+    """Region ``region``'s policy; it counts the ops it sees, so it serves one call.
+
+    Note [A plan's regions]
+        A plan's regions are the checkpoint calls of one step, in their order: the ``n``-th call
+        a ``context_fn`` serves is region ``n`` modulo the number of regions the plan saw, so a
+        step, each micro-batch of gradient accumulation and an evaluation forward of the same
+        model all start again at region 0. A class kept in the last ``k`` regions only
+        (``BudgetPlan.kept_in_last``) is kept there and decided as every region decides it
+        elsewhere: the last regions' outputs are the first backward frees, so they cost the
+        least memory at a peak late in backward. A model that checkpoints a different number of
+        regions from step to step needs a plan without ``kept_in_last``.
+    """
+    kept = [name for name, last in kept_in_last.items() if region >= regions - last]
+    chosen: dict[str, Decision] = {**decisions, **dict.fromkeys(kept, "keep")}
+    # Ops of each kind seen so far in the region, in forward and in the recomputation apart
+    # (Note [Op kinds]).
+    seen: collections.Counter[tuple[bool, str]] = collections.Counter()
+    # A profile never ranks "other" (Note [Op kinds]): unless a plan names it, such an op, most
+    # of a region's, is recomputed without being counted, told apart by the op alone.
+    other_decided = any(name.split(" #")[0] == "other" for name in chosen)
+    recompute = _POLICY_VALUES["recompute"]
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        del kwargs
+        if not other_decided and id(func) in _OTHER_OPS:
+            return recompute
+        kind = op_kind(func, args)
+        if kind == "other" and not other_decided:
+            if _named_kind(func.overloadpacket) == "other":
+                _OTHER_OPS.add(id(func))
+            return recompute
+        key = (bool(ctx.is_recompute), kind)
+        seen[key] += 1
+        decision = chosen.get(occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))
+        return _POLICY_VALUES[decision]
+
+    # A plan that offloads nothing needs no offload wrapper around its contexts.
+    return policy if "offload" in chosen.values() else compat.never_offloading(policy)
+
+
+def _context_fn(
+    decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int
+) -> Callable[[], Any] | None:
+    """A plan's ``context_fn``: torch's selective-checkpoint contexts around a fresh policy of
+    the next region (Note [A plan's regions]); None when everything is recomputed.
+
+    A plain function: Dynamo takes a checkpoint's ``context_fn`` only as one (or a partial), so
+    a plan runs under a whole-model compile too.
+    """
+    if not kept_in_last and all(decision == "recompute" for decision in decisions.values()):
+        return None
+    calls = itertools.count()
+
+    def context_fn() -> Any:
+        region = next(calls) % regions
+        return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
+            _policy(decisions, kept_in_last, regions, region)
+        )
+
+    return context_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """The fastest planned step found within a device-memory budget, and how to apply it.
+
+    Apply it with ``matepoint.configure(**plan.settings_changes())`` and
+    ``context_fn=plan.context_fn()`` on every checkpoint call, or in one call through
+    ``matepoint.integrations`` (``plan=``).
+
+    Attributes:
+        budget_bytes: The device-memory budget, parameters and gradients included.
+        host_budget_bytes: The pinned host RAM budget per node, or None.
+        ranks_per_node: Processes per node sharing its host RAM (each pins its own pool).
+        fits: Whether the chosen step fits both budgets.
+        decisions: Per class of op (a kind, or one occurrence of a kind repeated in a
+            region: Note [Op kinds]), ``"keep"``, ``"offload"`` or ``"recompute"``.
+        kept_in_last: Classes kept in the last regions only, with how many (Note [A plan's
+            regions]); elsewhere they do what ``decisions`` says.
+        regions: The checkpoint calls of the planned step.
+        prefetch: The look-ahead chosen (``OffloadSettings.prefetch``).
+        min_offload_bytes: The smallest checkpoint input offloaded
+            (``OffloadSettings.min_offload_bytes``): above every input when the budget holds
+            them all on the device, as torch's checkpoint does, and nothing needs the link.
+        peak_bytes: The chosen step's planned peak device memory.
+        pinned_bytes_per_node: Pinned host RAM of one rank's pool times ``ranks_per_node``
+            (the pool's exact-size blocks, so no rounding beyond what the pool holds).
+        step_seconds: The chosen step's estimated time.
+        every_block_seconds: The estimated time of matepoint on every block, nothing kept.
+        smallest_budget_bytes: The least peak among the steps tried (the last, on-device try
+            aside): the budget that would fit when nothing did.
+        kinds: The kinds of op ranked, best first.
+        strategy_plan: The chosen step's full plan (a :class:`matepoint.StrategyPlan`).
+        measured_seconds: The measured step times of the search's finalists, this plan's
+            (the fastest) first (Note [Measured finalists]); empty when none were measured.
+    """
+
+    budget_bytes: int
+    host_budget_bytes: int | None
+    ranks_per_node: int
+    fits: bool
+    decisions: tuple[tuple[str, Decision], ...]
+    kept_in_last: tuple[tuple[str, int], ...]
+    regions: int
+    prefetch: int
+    min_offload_bytes: int
+    peak_bytes: int
+    pinned_bytes_per_node: int
+    step_seconds: float
+    every_block_seconds: float
+    smallest_budget_bytes: int
+    kinds: tuple[KindProfile, ...]
+    strategy_plan: StrategyPlan = dataclasses.field(repr=False, compare=False)
+    measured_seconds: tuple[float, ...] = ()
+
+    def policy(self, region: int = 0) -> Callable[..., Any]:
+        """A selective-checkpoint policy for one checkpoint call: ``policy(ctx, op, *args)``.
+
+        It is region ``region``'s (Note [A plan's regions]), and it tells a region's repeated
+        kinds apart by counting them (Note [Op kinds]), so each checkpoint call needs a fresh
+        one: :meth:`context_fn` makes one per call, for the call's region.
+        """
+        return _policy(dict(self.decisions), dict(self.kept_in_last), self.regions, region)
+
+    def context_fn(self) -> Callable[[], Any] | None:
+        """The ``context_fn`` for every checkpoint call (None when everything is recomputed).
+
+        Each call makes torch's selective-checkpoint contexts around a fresh :meth:`policy` of
+        the next region. Use one per model: it counts the calls it serves.
+        """
+        return _context_fn(dict(self.decisions), dict(self.kept_in_last), self.regions)
+
+    def settings_changes(self) -> dict[str, Any]:
+        """The settings to pass to :func:`matepoint.configure` with it."""
+        return {"prefetch": self.prefetch, "min_offload_bytes": self.min_offload_bytes}
+
+    def __str__(self) -> str:
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines = [
+            f"matepoint budget plan: {self.budget_bytes / _GIB:.2f} GiB device budget, {verdict}",
+            f"  planned peak {self.peak_bytes / _GIB:.2f} GiB; pinned host RAM "
+            f"{self.pinned_bytes_per_node / _GIB:.2f} GiB per node ({self.ranks_per_node} "
+            "rank(s))",
+            f"  estimated step {self.step_seconds * 1e3:.1f} ms against "
+            f"{self.every_block_seconds * 1e3:.1f} ms for matepoint on every block "
+            f"({self.step_seconds / self.every_block_seconds:.3f})",
+            f"  look-ahead (prefetch) {self.prefetch}",
+        ]
+        if self.measured_seconds:
+            lines.append(
+                "  measured "
+                + " against ".join(f"{value * 1e3:.1f} ms" for value in self.measured_seconds)
+                + " for the other finalist: chosen as the fastest"
+            )
+        if not self.fits:
+            lines.append(
+                f"  the smallest budget that fits: {self.smallest_budget_bytes / _GIB:.2f} GiB"
+            )
+        decided, kept_last = dict(self.decisions), dict(self.kept_in_last)
+        for kind in self.kinds:
+            last = kept_last.get(kind.kind)
+            where = f" (keep in the last {last} of {self.regions} regions)" if last else ""
+            lines.append(
+                f"  {kind.kind:<24} {decided.get(kind.kind, 'recompute'):<10} "
+                f"{kind.output_bytes / _GIB:8.2f} GiB in {kind.calls} calls, "
+                f"{kind.flops_per_byte:8.0f} FLOP/byte{where}"
+            )
+        return "\n".join(lines)
