@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from matepoint_examples.bench._budget_report import print_report, verdicts
+from matepoint_examples.bench._budget_report import plot_frontier, print_report, verdicts
 
 GIB = 1 << 30
 
@@ -108,3 +112,31 @@ def test_the_printed_report_ends_with_each_verdict(capsys: pytest.CaptureFixture
         "budget@mid: peak 14.00 of 14.45 GiB, predicted +0.00%; ahead of torch: 0.960"
     )
     assert last.endswith("(over the budget: sac-every-matmul 15.00 GiB)")
+
+
+def test_a_panel_whose_torch_checkpoint_ran_out_of_memory_plots_ratios_to_matepoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib.axes
+
+    data = Path(__file__).resolve().parents[4] / "docs" / "_data"
+    names = ("budget-h200-llama8-verdict.json", "budget-h200-llama64-long-24gib-verdict.json")
+    reports = [json.loads((data / name).read_text()) for name in names]
+    labels: list[str] = []
+    points: list[int] = []
+    set_ylabel = matplotlib.axes.Axes.set_ylabel
+
+    def record_label(axis: Any, label: str, *args: Any, **kwargs: Any) -> Any:
+        labels.append(label)
+        points.append(len(axis.collections))
+        return set_ylabel(axis, label, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel", record_label)
+    out = tmp_path / "frontier.png"
+    plot_frontier(reports, out)
+    assert out.stat().st_size > 0
+    assert labels == [
+        "step time / torch checkpoint on every block",
+        "step time / matepoint on every block",
+    ]
+    assert points[1] > 0  # matepoint's point and the plan's, with their ranges

@@ -146,7 +146,8 @@ def plot_frontier(reports: Sequence[dict[str, Any]], path: Path) -> None:
 
     Each strategy keeps its colour and marker in every panel (stars: budget plans, squares:
     torch compiled), with the interquartile range as a vertical bar and one legend for all;
-    dotted lines are the budgets, a red line the device-memory cap.
+    dotted lines are the budgets, a red line the device-memory cap. A panel whose torch
+    checkpoint did not run gives step ratios to matepoint's instead.
     """
     import matplotlib
 
@@ -158,14 +159,18 @@ def plot_frontier(reports: Sequence[dict[str, Any]], path: Path) -> None:
     figure, axes = plt.subplots(1, len(reports), figsize=(5.5 * len(reports), 4.5), squeeze=False)
     handles: dict[str, Any] = {}
     for axis, report in zip(axes[0], reports, strict=True):
+        # Where torch's checkpoint did not run (out of memory under a cap), matepoint's is the
+        # reference, as in the printed table.
+        rows = report["rows"].values()
+        key = "ratio" if any("ratio" in row for row in rows) else "to_matepoint"
         for name, row in report["rows"].items():
             peak = row.get("peak_bytes")
-            if "ratio" not in row or peak is None or peak < 0:
+            if key not in row or peak is None or peak < 0:
                 continue
             planned = name.startswith("budget@")
             marker = "*" if planned else ("s" if name.startswith("compiled") else "o")
-            x, y = peak / _GIB, row["ratio"]
-            axis.vlines(x, row["ratio_q1"], row["ratio_q3"], color=colours[name], linewidth=1)
+            x, y = peak / _GIB, row[key]
+            axis.vlines(x, row[f"{key}_q1"], row[f"{key}_q3"], color=colours[name], linewidth=1)
             handles[name] = axis.scatter(
                 x, y, marker=marker, s=140 if planned else 45, color=colours[name], zorder=3
             )
@@ -176,7 +181,8 @@ def plot_frontier(reports: Sequence[dict[str, Any]], path: Path) -> None:
             axis.axvline(cap / _GIB, color="red", linewidth=0.8)
         axis.set_title(f"{report['workload']} ({report['device']}, torch {report['torch']})")
         axis.set_xlabel("measured peak device memory (GiB)")
-        axis.set_ylabel("step time / torch checkpoint on every block")
+        reference = "torch checkpoint" if key == "ratio" else "matepoint"
+        axis.set_ylabel(f"step time / {reference} on every block")
         axis.grid(alpha=0.3)
     figure.legend(
         list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 5)
