@@ -30,7 +30,7 @@ from matepoint._options import (
     resolve,
 )
 from matepoint._registry import planning
-from matepoint._saving import pack, unpack
+from matepoint._saving import pack, stays_in_place, unpack
 from matepoint._selective import offload_policy_outputs
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -111,6 +111,19 @@ def _flattened_call(
         return function(*call_args, **call_kwargs)
 
     return run, tensors, {}
+
+
+# Note [A call that moves nothing]
+#     A call none of whose saved inputs would move (each small, a parameter or a view of one,
+#     on a device the transport does not offload, or not one block of storage: ``stay_reason``)
+#     runs torch's checkpoint without matepoint's saved-tensor hooks. Python hooks cost torch
+#     host time on every saved input, in forward and in backward, which a host-bound step (a
+#     selective policy's, on a fast device) shows, for no benefit here: the inputs are counted
+#     as kept, as the pack hook would count them, and torch checks their versions itself
+#     (raising its own RuntimeError where matepoint's unpack raises InplaceModificationError, a
+#     subclass; the docs promise the subclass for offloaded inputs only). What happens to the
+#     call otherwise is unchanged: nested tensors are lifted to arguments first (so torch
+#     version-checks them too), and a selective policy's offload wrapper needs no hook.
 
 
 # Note [Keyword tensors and device RNG state]
@@ -267,13 +280,15 @@ def _checkpoint(
         and not compat.saved_tensors_hooks_active()
         and compat.saved_tensors_hooks_enabled()
     ):
-        hooks = _hooks_for(options)
         if not reentrant:
             context_fn = checkpoint_options.get("context_fn", torch_checkpoint.noop_context_fn)
             if context_fn is not torch_checkpoint.noop_context_fn:
                 # See Note [Offloading what a selective policy saves] (matepoint/_selective.py).
                 checkpoint_options["context_fn"] = offload_policy_outputs(context_fn, options)
             function, args, kwargs = _flattened_call(function, args, kwargs)
+        # See Note [A call that moves nothing]; a planned step always records its saves.
+        if plan is not None or not stays_in_place(args, options):
+            hooks = _hooks_for(options)
     # unwind_failed_checkpoint: on torch < 2.13 a raising function leaves torch's hooks pushed
     # above any context around the call; it pops them first, so such a context pops its own.
     with adapted, hooks, compat.unwind_failed_checkpoint():

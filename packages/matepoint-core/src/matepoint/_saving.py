@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -166,6 +166,32 @@ def pack(tensor: torch.Tensor, options: ResolvedOptions) -> Record | KeptTensor:
         with _kept_lock:
             count_kept(kept_counters, reason)
     return KeptTensor(tensor)
+
+
+def stays_in_place(args: tuple[Any, ...], options: ResolvedOptions) -> bool:
+    """Whether no tensor argument of a checkpoint call would move; if so, count them as kept.
+
+    See Note [A call that moves nothing] in ``matepoint._checkpoint``: ``True`` means the call
+    runs without the pack hook, so its inputs are counted here, as the pack hook counts them.
+    Only top-level tensors are looked at: torch saves no other (``_flattened_call`` lifts
+    nested ones first).
+
+    Args:
+        args: The call's positional arguments, as torch's checkpoint will get them.
+        options: The call's resolved options.
+    """
+    channel_key = transport().channel_key
+    reasons: list[KeepReason] = []
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            reason = stay_reason(value, options.min_offload_bytes, channel_key)
+            if reason is None:
+                return False
+            reasons.append(reason)
+    with _kept_lock:
+        for reason in reasons:
+            count_kept(kept_counters, reason)
+    return True
 
 
 def unpack(saved: Record | KeptTensor, options: ResolvedOptions) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""A checkpoint call none of whose inputs would move runs without matepoint's saved-tensor hooks.
+
+Note [A call that moves nothing] in ``matepoint._checkpoint``: the same gradients, the same
+counters, torch's own version checks (nested tensors included), and the hooks back the moment
+one input would move.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import matepoint
+from matepoint import _checkpoint
+from matepoint.testing import CPUTestTransport, use_transport
+
+
+@pytest.fixture
+def hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every time a checkpoint call takes matepoint's saved-tensor hooks."""
+    calls: list[Any] = []
+    hooks_for = _checkpoint._hooks_for
+
+    def recorded(options: Any) -> Any:
+        calls.append(options)
+        return hooks_for(options)
+
+    monkeypatch.setattr(_checkpoint, "_hooks_for", recorded)
+    return calls
+
+
+def _block(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ weight) * x.sigmoid()
+
+
+def test_inputs_that_all_stay_take_no_hooks_and_are_counted_as_kept(
+    fresh_stats: None, hook_calls: list[Any]
+) -> None:
+    weight = torch.nn.Parameter(torch.randn(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    x_torch = x.detach().clone().requires_grad_()
+    matepoint.checkpoint(_block, x, weight).sum().backward()
+    torch.utils.checkpoint.checkpoint(_block, x_torch, weight, use_reentrant=False).sum().backward()
+    assert hook_calls == []
+    assert torch.equal(x.grad, x_torch.grad)  # type: ignore[arg-type]
+    stats = matepoint.stats()
+    # What the pack hook counted for the same call: the input (below the minimum size) and the
+    # parameter; nothing moved.
+    assert (stats.skipped_small, stats.skipped_parameters, stats.skipped_other) == (1, 1, 0)
+    assert stats.offloads == 0
+
+
+def test_one_input_that_would_move_brings_the_hooks_back(
+    fresh_stats: None, hook_calls: list[Any]
+) -> None:
+    small, large = torch.randn(2, requires_grad=True), torch.randn(4, 256, requires_grad=True)
+    with (
+        use_transport(CPUTestTransport(completion="immediate")),
+        matepoint.options(min_offload_bytes=1024),
+    ):
+        matepoint.checkpoint(lambda a, b: (a.sum() * b).sum(), small, large).backward()
+        assert len(hook_calls) == 1
+        assert matepoint.stats().offloads == 1
+        matepoint.checkpoint(lambda a: a.square().sum(), small).backward()
+        assert len(hook_calls) == 1  # the small input alone moves nothing
+    assert matepoint.stats().skipped_small == 2
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["positional", "nested-in-a-list"])
+def test_an_input_modified_in_place_after_forward_still_fails_backward(
+    hook_calls: list[Any], nested: bool
+) -> None:
+    """torch checks the versions now; a nested tensor too, being lifted to an argument first."""
+    h = torch.randn(4, 16, requires_grad=True) * 1
+    if nested:
+        y = matepoint.checkpoint(lambda items: items[0].sin(), [h])
+    else:
+        y = matepoint.checkpoint(torch.sin, h)
+    h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    assert hook_calls == []
+
+
+def test_a_planned_step_still_records_every_save(hook_calls: list[Any]) -> None:
+    with torch.device("meta"):
+        layer = torch.nn.Linear(8, 8)
+        x = torch.randn(4, 8, requires_grad=True)
+    planned = matepoint.plan(lambda x: matepoint.checkpoint(layer, x), x)
+    assert hook_calls
+    assert planned["matepoint"].counters["skipped_small"] == 1
