@@ -1,7 +1,8 @@
 """``matepoint.checkpoint``: torch's checkpoint with the saved inputs offloaded to host memory.
 
 matepoint does not re-implement checkpointing. It runs ``torch.utils.checkpoint.checkpoint``
-inside its own ``saved_tensors_hooks``; torch's inner hooks shadow matepoint's inside the
+inside its own ``saved_tensors_hooks`` (where some input would move: Note [A call that moves
+nothing]); torch's inner hooks shadow matepoint's inside the
 checkpointed function, so the only tensors matepoint's pack hook sees are the checkpoint's saved
 inputs. Every torch feature (reentrant and not, RNG preservation, ``context_fn``, determinism
 checks, early stop) therefore behaves exactly as in torch; matepoint only decides where the saved
@@ -163,7 +164,10 @@ def checkpoint(
     The call is exactly torch's checkpoint, offloading nothing, with ``offload=False``, when
     gradients are disabled, when another ``saved_tensors_hooks`` context is active (an enclosing
     checkpoint's forward or recomputation, ``torch.autograd.graph.save_on_cpu``), or where torch
-    disables saved-tensor hooks (some tracing).
+    disables saved-tensor hooks (some tracing). A call none of whose inputs would move (each
+    below ``min_offload_bytes``, a parameter, or not on an accelerator) also runs torch's
+    checkpoint without matepoint's hooks, its inputs counted as kept in :func:`stats` (Note [A
+    call that moves nothing]).
 
     Args:
         function: What to run. With no function and no positional arguments, returns a decorator
