@@ -56,6 +56,41 @@ def test_per_call_cost(
     assert x.grad is not None
 
 
+def _keep_matrix_products(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """A selective policy: matrix products saved, the rest recomputed."""
+    if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective() -> Any:
+    return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
+        _keep_matrix_products
+    )
+
+
+@pytest.mark.skipif(
+    not hasattr(torch_checkpoint, "CheckpointPolicy"), reason="selective checkpointing: torch 2.5"
+)
+@pytest.mark.benchmark(group="per call, tiny layer, a selective policy", min_rounds=500)
+@pytest.mark.parametrize("name", ["torch", "matepoint"])
+def test_per_call_cost_selective(
+    benchmark: Any, tiny: tuple[torch.nn.Module, torch.Tensor], name: str
+) -> None:
+    """What a host-bound selective step pays per checkpoint call, nothing offloaded."""
+    layer, x = tiny
+
+    def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+        if name == "torch":
+            return torch_checkpoint.checkpoint(
+                function, *args, use_reentrant=False, context_fn=_selective
+            )
+        return matepoint.checkpoint(function, *args, context_fn=_selective)
+
+    benchmark(_step(checkpoint, layer, x))
+    assert x.grad is not None
+
+
 @pytest.fixture
 def offloading() -> Iterator[CPUTestTransport]:
     transport = CPUTestTransport(completion="immediate")
