@@ -7,12 +7,14 @@ one input would move.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
 
 import matepoint
+import matepoint_compat as compat
 from matepoint import _checkpoint
 from matepoint.testing import CPUTestTransport, use_transport
 
@@ -91,3 +93,41 @@ def test_a_planned_step_still_records_every_save(hook_calls: list[Any]) -> None:
     planned = matepoint.plan(lambda x: matepoint.checkpoint(layer, x), x)
     assert hook_calls
     assert planned["matepoint"].counters["skipped_small"] == 1
+
+
+@pytest.mark.skipif(
+    not compat.SELECTIVE_OFFLOAD_POLICIES, reason="torch's offload policy values arrived in 2.11"
+)
+@pytest.mark.parametrize("completion", ["immediate", "deferred"])
+def test_a_policy_still_offloads_its_outputs_when_no_input_moves(
+    fresh_stats: None, hook_calls: list[Any], completion: str
+) -> None:
+    """The only input is a parameter (it stays); the policy's matrix product goes to the host."""
+    policy_value = torch.utils.checkpoint.CheckpointPolicy
+
+    def policy(offload: bool) -> Any:
+        def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            if func is torch.ops.aten.mm.default:
+                return policy_value.MUST_CPU_OFFLOAD if offload else policy_value.MUST_SAVE
+            return policy_value.PREFER_RECOMPUTE
+
+        contexts = torch.utils.checkpoint.create_selective_checkpoint_contexts
+        return functools.partial(contexts, decide)
+
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+
+    def step(w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(w @ w).sin().sum()
+
+    transport = CPUTestTransport(completion=completion)
+    with use_transport(transport), matepoint.options(min_offload_bytes=1024):
+        matepoint.checkpoint(step, weight, context_fn=policy(True)).backward()
+        transport.drain()
+    offloaded_grad, weight.grad = weight.grad, None
+    torch.utils.checkpoint.checkpoint(
+        step, weight, use_reentrant=False, context_fn=policy(False)
+    ).backward()
+    assert torch.equal(offloaded_grad, weight.grad)  # type: ignore[arg-type]
+    assert hook_calls == []
+    assert transport.copies_out == 1
+    assert matepoint.stats().policy_offloads == 1
