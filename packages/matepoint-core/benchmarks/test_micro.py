@@ -7,6 +7,7 @@ the machine at hand; the goal is matepoint <= 1.3 x torch per call on tiny layer
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,12 +39,12 @@ def _step(checkpoint: Callable[..., Any], layer: torch.nn.Module, x: torch.Tenso
     return step
 
 
-def _torch(function: Callable[..., Any], *args: Any) -> Any:
-    return torch_checkpoint.checkpoint(function, *args, use_reentrant=False)
+def _torch(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
-def _matepoint(function: Callable[..., Any], *args: Any) -> Any:
-    return matepoint.checkpoint(function, *args)
+def _matepoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return matepoint.checkpoint(function, *args, **kwargs)
 
 
 @pytest.mark.benchmark(group="per call, tiny layer, nothing to offload", min_rounds=500)
@@ -79,14 +80,7 @@ def test_per_call_cost_selective(
 ) -> None:
     """What a host-bound selective step pays per checkpoint call, nothing offloaded."""
     layer, x = tiny
-
-    def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
-        if name == "torch":
-            return torch_checkpoint.checkpoint(
-                function, *args, use_reentrant=False, context_fn=_selective
-            )
-        return matepoint.checkpoint(function, *args, context_fn=_selective)
-
+    checkpoint = functools.partial(_torch if name == "torch" else _matepoint, context_fn=_selective)
     benchmark(_step(checkpoint, layer, x))
     assert x.grad is not None
 

@@ -92,9 +92,9 @@ class Stack(nn.Module):
         return x
 
 
-def _plan() -> matepoint.MemoryPlan:
+def _plan(blocks: int = BLOCKS) -> matepoint.MemoryPlan:
     with torch.device("meta"):
-        stack = Stack()
+        stack = Stack(count=blocks)
         x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
     return matepoint.plan(stack, x, options=matepoint.OffloadSettings(min_offload_bytes=0))
 

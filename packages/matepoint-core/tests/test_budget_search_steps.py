@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-from test_budget import BLOCKS, FREE_LINK, FREE_POLICY, TOKENS, WIDTH, Stack
+from test_budget import BLOCKS, FREE_LINK, FREE_POLICY, _plan
 
 import matepoint
 from matepoint import _budget
@@ -51,11 +50,7 @@ def _search(
         if not bounds:
             patch.setattr(_budget, "_cannot_fit_kept", lambda *args: False)
             patch.setattr(_budget, "_surely_fits_kept", lambda *args: False)
-        with torch.device("meta"):
-            stack = Stack(count=blocks)
-            x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
-        every_input = matepoint.OffloadSettings(min_offload_bytes=0)
-        memory_plan = matepoint.plan(stack, x, options=every_input)
+        memory_plan = _plan(blocks)
         lowest, highest = memory_plan["matepoint"].peak_bytes, memory_plan["none"].peak_bytes
         budget = lowest + int((highest - lowest) * share)
         return memory_plan.fastest_under(budget, device=device), tried

@@ -7,16 +7,18 @@ one input would move.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
 import torch
+from test_offload_policy import sac
 
 import matepoint
 import matepoint_compat as compat
 from matepoint import _checkpoint
 from matepoint.testing import CPUTestTransport, use_transport
+
+MATRIX_PRODUCT = torch.ops.aten.mm.default
 
 
 @pytest.fixture
@@ -103,17 +105,6 @@ def test_a_policy_still_offloads_its_outputs_when_no_input_moves(
     fresh_stats: None, hook_calls: list[Any], completion: str
 ) -> None:
     """The only input is a parameter (it stays); the policy's matrix product goes to the host."""
-    policy_value = torch.utils.checkpoint.CheckpointPolicy
-
-    def policy(offload: bool) -> Any:
-        def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-            if func is torch.ops.aten.mm.default:
-                return policy_value.MUST_CPU_OFFLOAD if offload else policy_value.MUST_SAVE
-            return policy_value.PREFER_RECOMPUTE
-
-        contexts = torch.utils.checkpoint.create_selective_checkpoint_contexts
-        return functools.partial(contexts, decide)
-
     weight = torch.nn.Parameter(torch.randn(64, 64))
 
     def step(w: torch.Tensor) -> torch.Tensor:
@@ -121,11 +112,12 @@ def test_a_policy_still_offloads_its_outputs_when_no_input_moves(
 
     transport = CPUTestTransport(completion=completion)
     with use_transport(transport), matepoint.options(min_offload_bytes=1024):
-        matepoint.checkpoint(step, weight, context_fn=policy(True)).backward()
+        offloading = sac("MUST_CPU_OFFLOAD", MATRIX_PRODUCT)
+        matepoint.checkpoint(step, weight, context_fn=offloading).backward()
         transport.drain()
     offloaded_grad, weight.grad = weight.grad, None
     torch.utils.checkpoint.checkpoint(
-        step, weight, use_reentrant=False, context_fn=policy(False)
+        step, weight, use_reentrant=False, context_fn=sac("MUST_SAVE", MATRIX_PRODUCT)
     ).backward()
     assert torch.equal(offloaded_grad, weight.grad)  # type: ignore[arg-type]
     assert hook_calls == []

@@ -50,6 +50,10 @@ def verdicts(
         ``ahead`` where the whole interquartile range is below 1, ``behind`` where it is above,
         ``tied`` otherwise). A plan that did not run in every round gets no standing.
     """
+
+    def ran_every_round(name: str) -> bool:
+        return name not in errors and bool(times.get(name)) and None not in times[name]
+
     results: dict[str, dict[str, Any]] = {}
     for name, plan in plans.items():
         budget = int(plan["budget_bytes"])
@@ -64,14 +68,12 @@ def verdicts(
         too_large: dict[str, int] = {}
         for peer in filter(is_peer, times):
             peer_peak = peaks.get(peer, -1)
-            ran = peer not in errors and bool(times[peer]) and None not in times[peer]
-            if ran and 0 <= peer_peak <= budget:
+            if ran_every_round(peer) and 0 <= peer_peak <= budget:
                 fitting.append(peer)
             else:
                 too_large[peer] = peer_peak
         result.update(fitting_peers=fitting, peers_over_budget=too_large)
-        complete = name not in errors and bool(times.get(name)) and None not in times[name]
-        if fitting and complete:
+        if fitting and ran_every_round(name):
             # The fastest peer is the one the plan's paired ratio is largest against.
             against = {peer: quartiles(per_round_ratios(times, peer)[name]) for peer in fitting}
             fastest = max(fitting, key=lambda peer: against[peer][1])
