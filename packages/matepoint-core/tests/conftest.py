@@ -12,6 +12,8 @@
   is offloaded) or ``"forced"`` (every saved input, however small, through a deferred-completion
   :class:`~matepoint.testing.CPUTestTransport` and back). Yields the mode's name.
 - ``undo_debug_logging``: restores the logger torch's ``debug=True`` checkpoints reconfigure.
+- ``hook_calls``: the options of every checkpoint call that takes matepoint's saved-tensor hooks
+  (Note [A call that moves nothing] in ``matepoint._checkpoint``).
 - ``clean_start`` (CUDA tests, by ``usefixtures``): no graph of an earlier failed test alive, the
   device idle, empty idle pools and zeroed stats; afterwards no memory cap left set.
 """
@@ -22,12 +24,14 @@ import gc
 import logging
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.utils.checkpoint
 
 import matepoint
+from matepoint import _checkpoint
 from matepoint.testing import CPUTestTransport, use_transport
 from matepoint_compat._deprecation import LEGACY_CONTEXT_LIST
 
@@ -175,3 +179,17 @@ def clean_start() -> Iterator[None]:
     yield
     torch.cuda.set_per_process_memory_fraction(1.0)
     torch.cuda.synchronize()
+
+
+@pytest.fixture
+def hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The resolved options of every checkpoint call that takes matepoint's saved-tensor hooks."""
+    calls: list[Any] = []
+    hooks_for = _checkpoint._hooks_for
+
+    def recorded(options: Any) -> Any:
+        calls.append(options)
+        return hooks_for(options)
+
+    monkeypatch.setattr(_checkpoint, "_hooks_for", recorded)
+    return calls

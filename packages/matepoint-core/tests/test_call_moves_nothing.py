@@ -15,24 +15,9 @@ from test_offload_policy import sac
 
 import matepoint
 import matepoint_compat as compat
-from matepoint import _checkpoint
 from matepoint.testing import CPUTestTransport, use_transport
 
 MATRIX_PRODUCT = torch.ops.aten.mm.default
-
-
-@pytest.fixture
-def hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every time a checkpoint call takes matepoint's saved-tensor hooks."""
-    calls: list[Any] = []
-    hooks_for = _checkpoint._hooks_for
-
-    def recorded(options: Any) -> Any:
-        calls.append(options)
-        return hooks_for(options)
-
-    monkeypatch.setattr(_checkpoint, "_hooks_for", recorded)
-    return calls
 
 
 def _block(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
