@@ -140,3 +140,34 @@ def test_a_panel_whose_torch_checkpoint_ran_out_of_memory_plots_ratios_to_matepo
         "step time / matepoint on every block",
     ]
     assert points[1] > 0  # matepoint's point and the plan's, with their ranges
+
+
+def test_a_twin_is_no_peer_and_its_ratio_stands_beside_the_plans(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The twin of the fastest peer ran 2% faster than the peer itself in this (noisy) run.
+    times = {
+        "torch": [1.00, 1.00, 1.00],
+        "sac-every-matmul": [0.90, 0.95, 0.90],
+        "sac-every-matmul twin": [0.88, 0.931, 0.882],
+        "budget@mid": [0.91, 0.96, 0.91],
+    }
+    peaks = dict.fromkeys(times, 13 * GIB)
+    plans = _plans(14.45, 13.0)
+    verdict = verdicts(plans, times, peaks, {})["budget@mid"]
+    assert verdict["fitting_peers"] == ["torch", "sac-every-matmul"]
+    assert verdict["fastest_peer"] == "sac-every-matmul"
+    assert verdict["twin_to_peer"] == pytest.approx(0.98)
+    plans["budget@mid"]["verdict"] = verdict  # type: ignore[assignment]
+    rows = {name: {"peak_bytes": peaks[name], "planned_peak_bytes": None} for name in times}
+    print_report(
+        {"workload": "llama16", "rounds": 3, "device": "a GPU", "plans": plans, "rows": rows}
+    )
+    assert "; its twin: 0.980" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_the_twin_choices_are_the_strategies_every_run_measures() -> None:
+    from matepoint_examples.bench import budget
+
+    strategies = budget._checkpoint_fns(budget.WORKLOADS["llama8"])
+    assert set(strategies) == set(budget._EAGER_STRATEGIES)

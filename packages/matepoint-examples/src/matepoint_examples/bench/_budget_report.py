@@ -15,14 +15,17 @@ from typing import Any
 from matepoint_examples.bench._paired import per_round_ratios, quartiles
 from matepoint_examples.bench._report import ratio_cell
 
-__all__ = ["is_peer", "plot_frontier", "print_report", "verdicts"]
+__all__ = ["TWIN_SUFFIX", "is_peer", "plot_frontier", "print_report", "verdicts"]
 
 _GIB = float(1 << 30)
+# A strategy's twin: the same strategy run a second time each round, a control of the run's
+# noise (the twin's paired ratio to the strategy would be 1 on a quiet host).
+TWIN_SUFFIX = " twin"
 
 
 def is_peer(name: str) -> bool:
-    """Whether strategy ``name`` is an eager peer of the plans (not a plan, not compiled)."""
-    return not name.startswith(("budget@", "compiled"))
+    """Whether strategy ``name`` is an eager peer of the plans (not a plan, compiled or a twin)."""
+    return not name.startswith(("budget@", "compiled")) and not name.endswith(TWIN_SUFFIX)
 
 
 def verdicts(
@@ -48,7 +51,9 @@ def verdicts(
         fastest peer that fits (the one the plan's median per-round ratio is largest against)
         and the plan's per-round ratio to it (``to_fastest_peer`` and its quartiles; ``standing``:
         ``ahead`` where the whole interquartile range is below 1, ``behind`` where it is above,
-        ``tied`` otherwise). A plan that did not run in every round gets no standing.
+        ``tied`` otherwise). A plan that did not run in every round gets no standing. Where
+        that peer's twin ran every round, its ratio to the peer (``twin_to_peer`` and its
+        quartiles) beside the plan's: how far apart the same strategy measures in this run.
     """
 
     def ran_every_round(name: str) -> bool:
@@ -86,6 +91,10 @@ def verdicts(
                 to_fastest_peer_q3=q3,
                 standing=standing,
             )
+            twin = fastest + TWIN_SUFFIX
+            if ran_every_round(twin):
+                q1, median, q3 = quartiles(per_round_ratios(times, fastest)[twin])
+                result.update(twin_to_peer=median, twin_to_peer_q1=q1, twin_to_peer_q3=q3)
         results[name] = result
     return results
 
@@ -112,6 +121,11 @@ def _verdict_line(name: str, verdict: Mapping[str, Any]) -> str:
             verdict["to_fastest_peer_q3"],
         )
         standing = f"{verdict['standing']} of {verdict['fastest_peer']}: {cell}"
+        if "twin_to_peer" in verdict:
+            twin = ratio_cell(
+                verdict["twin_to_peer"], verdict["twin_to_peer_q1"], verdict["twin_to_peer_q3"]
+            )
+            standing += f"; its twin: {twin}"
     return f"{name}: {memory}; {standing}" + (f" (over the budget: {over})" if over else "")
 
 
@@ -167,7 +181,7 @@ def plot_frontier(reports: Sequence[dict[str, Any]], path: Path) -> None:
         key = "ratio" if any("ratio" in row for row in rows) else "to_matepoint"
         for name, row in report["rows"].items():
             peak = row.get("peak_bytes")
-            if key not in row or peak is None or peak < 0:
+            if key not in row or peak is None or peak < 0 or name.endswith(TWIN_SUFFIX):
                 continue
             planned = name.startswith("budget@")
             marker = "*" if planned else ("s" if name.startswith("compiled") else "o")

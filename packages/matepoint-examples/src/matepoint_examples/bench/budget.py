@@ -14,8 +14,11 @@ strategy the median per-round step ratio to torch's checkpoint [interquartile ra
 measured peak, and for the budget plans the predicted peak. A strategy that runs out of memory
 is reported without a ratio. ``--compiled`` adds torch's compiled ``activation_memory_budget``
 at each budget, for reference, and each budget plan run under matepoint's compiled path
-(``compiled_offload``, the whole model compiled). ``--plot frontier.png report.json ...`` draws
-step ratio against peak memory from saved reports, without a GPU.
+(``compiled_offload``, the whole model compiled). ``--twin sac-every-matmul`` runs that peer a
+second time each round, as a control: where it is a plan's fastest peer, the verdict gives the
+twin's ratio to it beside the plan's (on a host-bound step the same strategy's two medians can
+differ by a few percent). ``--plot frontier.png report.json ...`` draws step ratio against peak
+memory from saved reports, without a GPU.
 
 Note [Calibrating the planned peak]
     The planner plans forward and backward of the stack. A training step also holds the
@@ -51,7 +54,12 @@ from torch import Tensor, nn
 import matepoint
 import matepoint.integrations
 from matepoint._budget_profile import op_kind
-from matepoint_examples.bench._budget_report import plot_frontier, print_report, verdicts
+from matepoint_examples.bench._budget_report import (
+    TWIN_SUFFIX,
+    plot_frontier,
+    print_report,
+    verdicts,
+)
 from matepoint_examples.bench._paired import per_round_ratios, quartiles, round_order
 from matepoint_examples.models import GPTConfig, LlamaConfig, LlamaStack, NanoGPT
 
@@ -223,6 +231,10 @@ def selective_policy(saved_kinds: frozenset[str]) -> Callable[..., Any]:
         return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
+
+
+# The eager strategies every run measures (``_checkpoint_fns``).
+_EAGER_STRATEGIES = ("torch", "matepoint", "none", "sac-attention-down", "sac-every-matmul")
 
 
 def _checkpoint_fns(workload: BudgetWorkload) -> dict[str, CheckpointFn]:
@@ -437,11 +449,17 @@ def run(
     warmup: int,
     budget_names: Sequence[str] = ("torch", "mid"),
     compiled: bool = False,
+    twin: str | None = None,
 ) -> dict[str, Any]:
-    """Measure every strategy and the budget plans of ``workload_name``; return the report."""
+    """Measure every strategy and the budget plans of ``workload_name``; return the report.
+
+    ``twin`` names an eager strategy to run a second time each round (``TWIN_SUFFIX``).
+    """
     workload = WORKLOADS[workload_name]
     runner = _Runner(workload)
     strategies: dict[str, CheckpointFn | None] = dict(_checkpoint_fns(workload))
+    if twin is not None:
+        strategies[twin + TWIN_SUFFIX] = strategies[twin]
     measured_peaks: dict[str, int] = {}
     # The optimizer's states exist after its first step: a step of matepoint's, which fits
     # wherever anything does (torch's checkpoint may not, under a device-memory cap).
@@ -571,6 +589,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="add torch's compiled activation_memory_budget at each budget, for reference, and "
         "each budget plan under matepoint's compiled path",
     )
+    parser.add_argument(
+        "--twin",
+        choices=sorted(_EAGER_STRATEGIES),
+        default=None,
+        help="run this eager strategy twice each round: the verdict's control of the run's noise",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument(
         "--plot", type=Path, default=None, help="draw the frontier of REPORTS into this file"
@@ -587,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.device_memory / total))
     budget_names = [name.strip() for name in args.budgets.split(",") if name.strip()]
-    report = run(args.workload, args.rounds, args.warmup, budget_names, args.compiled)
+    report = run(args.workload, args.rounds, args.warmup, budget_names, args.compiled, args.twin)
     report["device_memory_cap_bytes"] = args.device_memory
     print_report(report)
     if args.json is not None:
