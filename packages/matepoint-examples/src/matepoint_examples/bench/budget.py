@@ -516,6 +516,14 @@ def run(
             runner.add_compiled(label, fraction)
             strategies[label] = None
             plans[name]["compiled_activation_memory_budget"] = fraction
+        elif compiled:
+            print(
+                f"{name}: no compiled activation_memory_budget: torch's checkpoint or no "
+                "checkpoint ran out of memory, and its knob is a fraction of the way between "
+                "their peaks",
+                flush=True,
+            )
+        if compiled:
             # The plan under matepoint's compiled path: torch's compiled selective checkpointing
             # takes its policy (offload values as save: docs/selective.md), matepoint moves the
             # checkpoint inputs.
