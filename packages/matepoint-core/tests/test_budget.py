@@ -169,6 +169,16 @@ def test_a_roomy_budget_keeps_what_is_dear_to_recompute_and_the_step_gets_faster
     assert "planned peak" in str(budget)
 
 
+def test_a_peak_near_the_budget_is_printed_with_a_word_on_fragmentation() -> None:
+    memory_plan = _plan()
+    roomy = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=FREE_POLICY)
+    assert roomy.peak_bytes <= 0.9 * roomy.budget_bytes
+    assert "fragmentation" not in str(roomy)
+    tight = memory_plan.fastest_under(memory_plan["matepoint"].peak_bytes + 1)
+    assert tight.fits
+    assert "expandable_segments:True" in str(tight)
+
+
 def test_a_kind_backward_never_recomputes_is_profiled_but_never_tried(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

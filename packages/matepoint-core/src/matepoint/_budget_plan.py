@@ -24,6 +24,11 @@ __all__ = ["AVAILABLE", "OFFLOAD_AVAILABLE", "BudgetPlan", "Decision"]
 
 Decision = Literal["keep", "offload", "recompute"]
 _GIB = float(1 << 30)
+# A planned peak above this share of the budget gets a word on fragmentation when printed: a
+# budget bounds allocated memory, and a device capped at the budget must also hold what the
+# caching allocator reserves beyond it (docs/budget.md, "What the planned numbers are", has a
+# plan within its budget that ran out of memory under a cap of that size).
+_NEAR_BUDGET = 0.9
 
 
 # The ids of the ops whose name alone makes them "other" (Note [Op kinds]): a plan's policy
@@ -204,6 +209,13 @@ class BudgetPlan:
         if not self.fits:
             lines.append(
                 f"  the smallest budget that fits: {self.smallest_budget_bytes / _GIB:.2f} GiB"
+            )
+        elif self.peak_bytes > _NEAR_BUDGET * self.budget_bytes:
+            lines.append(
+                f"  the peak is within {1 - _NEAR_BUDGET:.0%} of the budget, which bounds "
+                "allocated memory: a device that holds only the budget also holds the caching "
+                "allocator's fragmentation; leave room, or run with "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
             )
         decided, kept_last = dict(self.decisions), dict(self.kept_in_last)
         for kind in self.kinds:
