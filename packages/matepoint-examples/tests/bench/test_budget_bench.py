@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
+from matepoint_examples.bench import _budget_runner as budget_runner
 from matepoint_examples.bench import budget
 from matepoint_examples.bench._budget_report import print_report
 
@@ -155,7 +156,7 @@ def test_the_finalists_are_measured_alternately_and_one_out_of_memory_is_infinit
 
     class Runner:
         """Steps of 0.2 s and 0.3 s, the host twice as slow in the last round; or the second
-        finalist runs out of memory (NaN, as ``_Runner.step`` says)."""
+        finalist runs out of memory (NaN, as ``Runner.step`` says)."""
 
         def __init__(self, out_of_memory: bool) -> None:
             self.settings: dict[str, dict[str, Any]] = {}
@@ -170,13 +171,13 @@ def test_the_finalists_are_measured_alternately_and_one_out_of_memory_is_infinit
             return (0.2 if name == "finalist 0" else 0.3) * slow, 1
 
     runner = Runner(out_of_memory=False)
-    measure = budget._measure_finalists(runner, rounds=2)  # type: ignore[arg-type]
+    measure = budget_runner.measure_finalists(runner, rounds=2)  # type: ignore[arg-type]
     # Paired: the last round's slow host moves both times, not their ratio.
     assert measure(finalists) == pytest.approx([0.3, 0.45])
     # A warm-up round, then two, each finalist once per round, the order alternating.
     first, second = "finalist 0", "finalist 1"
     assert runner.steps == [first, second, second, first, first, second]
     runner = Runner(out_of_memory=True)
-    measure = budget._measure_finalists(runner, rounds=2)  # type: ignore[arg-type]
+    measure = budget_runner.measure_finalists(runner, rounds=2)  # type: ignore[arg-type]
     assert measure(finalists) == [pytest.approx(0.3), math.inf]
     assert runner.settings["finalist 0"] == finalists[0].settings_changes()

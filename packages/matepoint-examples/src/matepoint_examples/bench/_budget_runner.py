@@ -1,0 +1,179 @@
+"""The budget benchmark's runner: one model and optimizer, a step under any strategy, paired.
+
+:class:`Runner` holds the model, its inputs and AdamW and times one training step with its
+peak; :func:`alternate` runs strategies in rotating order, round after round (see
+``matepoint_examples.bench._paired`` for why); :func:`measure_finalists` is the ``measure=``
+the budget search is given, so its finalists are timed the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import matepoint
+from matepoint_examples.bench._budget_workloads import BudgetWorkload, CheckpointFn
+from matepoint_examples.bench._paired import per_round_ratios, round_order
+
+__all__ = ["Runner", "alternate", "measure_finalists", "no_checkpoint", "plan_checkpoint_fn"]
+
+
+def no_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a block as it is (one function, so a compiled model's guard on it holds)."""
+    return function(*args, **kwargs)
+
+
+def _compiled_backend(memory_budget: float) -> Callable[..., Any]:
+    """Inductor with torch's ``activation_memory_budget`` in force while it partitions."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(graph: Any, example_inputs: Any) -> Any:
+        with functorch_config.patch(activation_memory_budget=memory_budget):
+            return compile_fx(graph, example_inputs)
+
+    return backend
+
+
+class Runner:
+    """One model and optimizer; a step under any strategy, timed, with its peak memory."""
+
+    def __init__(self, workload: BudgetWorkload) -> None:
+        self.workload = workload
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            self.model, self.inputs = workload.build()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
+        self.settings: dict[str, dict[str, Any]] = {}
+        self.compiled: dict[str, Callable[[], Tensor]] = {}
+        self.errors: dict[str, str] = {}
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's states (they stay on the device through every step)."""
+        return sum(
+            value.numel() * value.element_size()
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, Tensor) and value.is_cuda
+        )
+
+    def optimizer_step_peak(self) -> int:
+        """The peak of an optimizer step alone, gradients in place (zero gradients)."""
+        for parameter in self.model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.optimizer.step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        self.optimizer.zero_grad(set_to_none=True)
+        return peak
+
+    def add_compiled(self, name: str, memory_budget: float | None = None) -> None:
+        """A strategy: the whole model compiled.
+
+        With ``memory_budget``, torch's ``activation_memory_budget`` chooses what to recompute
+        (run it without a checkpoint); without, inductor as it comes (run it with a budget
+        plan's checkpoint and ``compiled_offload``).
+        """
+        backend = "inductor" if memory_budget is None else _compiled_backend(memory_budget)
+        compiled = torch.compile(self.model, backend=backend)
+        self.compiled[name] = lambda: self.workload.loss(compiled, self.inputs)
+
+    def step(self, name: str, checkpoint_fn: CheckpointFn | None) -> tuple[float, int]:
+        """One training step; (seconds, peak bytes), or (nan, -1) when it ran out of memory."""
+        self.workload.set_checkpoint(self.model, checkpoint_fn or no_checkpoint)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        try:
+            with matepoint.options(**self.settings.get(name, {})):
+                loss: Tensor = (
+                    self.compiled[name]()
+                    if name in self.compiled
+                    else self.workload.loss(self.model, self.inputs)
+                )
+                loss.backward()  # type: ignore[no-untyped-call,unused-ignore]
+            del loss
+            self.optimizer.step()
+            torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError:
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            return math.nan, -1
+        except Exception as error:  # a compiled strategy that fails to compile: reported, skipped
+            if name not in self.compiled:
+                raise
+            self.errors.setdefault(name, f"{type(error).__name__}: {error}"[:500])
+            self.optimizer.zero_grad(set_to_none=True)
+            return math.nan, -1
+        self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start, torch.cuda.max_memory_allocated()
+
+
+def alternate(
+    runner: Runner, strategies: Mapping[str, CheckpointFn | None], rounds: int, warmup: int
+) -> tuple[dict[str, list[float | None]], dict[str, int]]:
+    """Run each strategy once per round, the order rotating (``round_order``).
+
+    Returns, from the rounds after ``warmup``, each strategy's step times (None where it ran
+    out of memory) and its peak.
+    """
+    times: dict[str, list[float | None]] = {name: [] for name in strategies}
+    peaks: dict[str, int] = {}
+    for round_index in range(warmup + rounds):
+        for name in round_order(list(strategies), round_index):
+            seconds, peak = runner.step(name, strategies[name])
+            if round_index >= warmup:
+                times[name].append(None if math.isnan(seconds) else seconds)
+                peaks[name] = max(peaks.get(name, -1), peak)
+    return times, peaks
+
+
+def plan_checkpoint_fn(plan: matepoint.BudgetPlan) -> CheckpointFn:
+    """``matepoint.checkpoint`` with ``plan``'s policy (its settings go to ``Runner.settings``)."""
+    context_fn = plan.context_fn()
+    extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
+    return functools.partial(matepoint.checkpoint, use_reentrant=False, **extra)
+
+
+def measure_finalists(
+    runner: Runner, rounds: int = 20
+) -> Callable[[Sequence[matepoint.BudgetPlan]], list[float]]:
+    """A ``measure=`` for the budget search: the finalists' steps alternated, paired.
+
+    One warm-up round, then ``rounds``: a plan with a selective policy is host-bound in
+    stretches on a fast device (its step runs at either of two speeds, the slower one for
+    several steps in a row; docs/budget.md), and 8 rounds fell in one such stretch and chose
+    the slower finalist. A finalist's time is a reference finalist's median step
+    times the median of its per-round ratios to that reference (the pairing the other
+    strategies are compared with; a median of each one's own times mixes the host's drift into
+    the comparison); one that ran out of memory in any round measures ``math.inf`` (Note
+    [Measured finalists] in ``matepoint._budget``).
+    """
+
+    def measure(plans: Sequence[matepoint.BudgetPlan]) -> list[float]:
+        finalists: dict[str, CheckpointFn] = {}
+        for index, plan in enumerate(plans):
+            finalists[f"finalist {index}"] = plan_checkpoint_fn(plan)
+            runner.settings[f"finalist {index}"] = plan.settings_changes()
+        times = alternate(runner, finalists, rounds, warmup=1)[0]
+        ran = [name for name in finalists if None not in times[name]]
+        if not ran:
+            return [math.inf] * len(plans)
+        reference = ran[0]
+        base = statistics.median(value for value in times[reference] if value is not None)
+        ratios = per_round_ratios(times, reference)
+        return [
+            base * statistics.median(ratios[name]) if name in ran else math.inf
+            for name in finalists
+        ]
+
+    return measure
