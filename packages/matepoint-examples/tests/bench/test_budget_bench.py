@@ -181,3 +181,8 @@ def test_the_finalists_are_measured_alternately_and_one_out_of_memory_is_infinit
     measure = budget_runner.measure_finalists(runner, rounds=2)  # type: ignore[arg-type]
     assert measure(finalists) == [pytest.approx(0.3), math.inf]
     assert runner.settings["finalist 0"] == finalists[0].settings_changes()
+
+
+def test_the_twin_choices_are_the_strategies_every_run_measures() -> None:
+    strategies = budget._checkpoint_fns(budget.WORKLOADS["llama8"])
+    assert set(strategies) == set(budget._EAGER_STRATEGIES)

@@ -164,10 +164,3 @@ def test_a_twin_is_no_peer_and_its_ratio_stands_beside_the_plans(
         {"workload": "llama16", "rounds": 3, "device": "a GPU", "plans": plans, "rows": rows}
     )
     assert "; its twin: 0.980" in capsys.readouterr().out.splitlines()[-1]
-
-
-def test_the_twin_choices_are_the_strategies_every_run_measures() -> None:
-    from matepoint_examples.bench import budget
-
-    strategies = budget._checkpoint_fns(budget.WORKLOADS["llama8"])
-    assert set(strategies) == set(budget._EAGER_STRATEGIES)
