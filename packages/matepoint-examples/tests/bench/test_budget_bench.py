@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ def test_the_peers_of_a_workload_are_named_and_runnable_on_a_cpu() -> None:
         "sac-attention-down",
         "sac-every-matmul",
     }
+    assert tuple(functions) == budget._EAGER_STRATEGIES  # --twin's choices
     x = torch.randn(2, 3, requires_grad=True)
     for function in functions.values():
         assert torch.equal(function(torch.sin, x), torch.sin(x))
@@ -183,6 +185,26 @@ def test_the_finalists_are_measured_alternately_and_one_out_of_memory_is_infinit
     assert runner.settings["finalist 0"] == finalists[0].settings_changes()
 
 
-def test_the_twin_choices_are_the_strategies_every_run_measures() -> None:
-    strategies = budget._checkpoint_fns(budget.WORKLOADS["llama8"])
-    assert set(strategies) == set(budget._EAGER_STRATEGIES)
+def test_the_engine_variants_run_the_plans_policy_on_both_engines() -> None:
+    """A plan's policy under torch's checkpoint and under matepoint's offloading nothing: the
+    plan's gradients on a CPU, each variant with its own region count."""
+    memory_plan = budget._plan(budget.WORKLOADS["llama-tiny"])
+    free_policy = matepoint.DeviceModel(peak_flops=1e12, policy_seconds_per_op=0)
+    plan = memory_plan.fastest_under(
+        memory_plan["none"].peak_bytes * 2, device=free_policy, measure=lambda plans: [1.0, 2.0]
+    )
+    assert plan.context_fn() is not None
+    variants = budget.engine_variants("budget@mid", plan)
+    assert list(variants) == ["budget@mid on torch", "budget@mid offload off"]
+    workload = budget.WORKLOADS["llama-tiny"]
+    gradients = {}
+    for name, checkpoint_fn in {"plan": budget.plan_checkpoint_fn(plan), **variants}.items():
+        torch.manual_seed(0)
+        model, inputs = workload.build()
+        workload.set_checkpoint(model, checkpoint_fn)
+        workload.loss(model, inputs).backward()
+        gradients[name] = [p.grad for p in model.parameters()]
+    for name in variants:
+        assert all(map(torch.equal, gradients[name], gradients["plan"])), name
+    everything_recomputed = dataclasses.replace(plan, decisions=(), kept_in_last=())
+    assert budget.engine_variants("budget@mid", everything_recomputed) == {}

@@ -17,8 +17,10 @@ at each budget, for reference, and each budget plan run under matepoint's compil
 (``compiled_offload``, the whole model compiled). ``--twin sac-every-matmul`` runs that peer a
 second time each round, as a control: where it is a plan's fastest peer, the verdict gives the
 twin's ratio to it beside the plan's (on a host-bound step the same strategy's two medians can
-differ by a few percent). ``--plot frontier.png report.json ...`` draws step ratio against peak
-memory from saved reports, without a GPU.
+differ by a few percent). ``--engines`` runs each budget plan's policy also under torch's
+checkpoint and under matepoint's with ``offload=False`` (``engine_variants``). ``--plot
+frontier.png report.json ...`` draws step ratio against peak memory from saved reports, without
+a GPU.
 
 Note [Calibrating the planned peak]
     The planner plans forward and backward of the stack. A training step also holds the
@@ -153,6 +155,27 @@ def _budgets(names: Sequence[str], peaks: dict[str, int]) -> dict[str, int]:
     return budgets
 
 
+def engine_variants(name: str, plan: matepoint.BudgetPlan) -> dict[str, CheckpointFn]:
+    """The plan's policy run by torch's checkpoint, and by matepoint's with ``offload=False``.
+
+    Beside the plan (matepoint's checkpoint with its policy and settings), they tell the
+    engines' costs apart from the policy's: ``{name} on torch`` is torch's checkpoint with the
+    plan's ``context_fn``, ``{name} offload off`` matepoint's call offloading nothing (torch's
+    checkpoint reached through matepoint). Each has its own ``context_fn`` (each counts the
+    regions of the calls it serves: Note [A plan's regions]). None for a plan without a policy.
+    """
+    if plan.context_fn() is None:
+        return {}
+    return {
+        f"{name} on torch": functools.partial(
+            torch_checkpoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn()
+        ),
+        f"{name} offload off": functools.partial(
+            matepoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn(), offload=False
+        ),
+    }
+
+
 def run(
     workload_name: str,
     rounds: int,
@@ -160,10 +183,12 @@ def run(
     budget_names: Sequence[str] = ("torch", "mid"),
     compiled: bool = False,
     twin: str | None = None,
+    engines: bool = False,
 ) -> dict[str, Any]:
     """Measure every strategy and the budget plans of ``workload_name``; return the report.
 
-    ``twin`` names an eager strategy to run a second time each round (``TWIN_SUFFIX``).
+    ``twin`` names an eager strategy to run a second time each round (``TWIN_SUFFIX``);
+    ``engines`` adds each budget plan's policy run by other engines (:func:`engine_variants`).
     """
     workload = WORKLOADS[workload_name]
     runner = Runner(workload)
@@ -215,6 +240,8 @@ def run(
         print(budget_plan, flush=True)
         strategies[name] = plan_checkpoint_fn(budget_plan)
         runner.settings[name] = budget_plan.settings_changes()
+        if engines:
+            strategies.update(engine_variants(name, budget_plan))
         if _choice(model_plan) != _choice(budget_plan):
             strategies[f"{name} model"] = plan_checkpoint_fn(model_plan)
             runner.settings[f"{name} model"] = model_plan.settings_changes()
@@ -313,6 +340,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="run this eager strategy twice each round: the verdict's control of the run's noise",
     )
+    parser.add_argument(
+        "--engines",
+        action="store_true",
+        help="also run each budget plan's policy under torch's checkpoint and under matepoint's "
+        "with offload=False",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument(
         "--plot", type=Path, default=None, help="draw the frontier of REPORTS into this file"
@@ -329,7 +362,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.device_memory / total))
     budget_names = [name.strip() for name in args.budgets.split(",") if name.strip()]
-    report = run(args.workload, args.rounds, args.warmup, budget_names, args.compiled, args.twin)
+    report = run(
+        args.workload,
+        args.rounds,
+        args.warmup,
+        budget_names,
+        compiled=args.compiled,
+        twin=args.twin,
+        engines=args.engines,
+    )
     report["device_memory_cap_bytes"] = args.device_memory
     print_report(report)
     if args.json is not None:
