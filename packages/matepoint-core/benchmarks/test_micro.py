@@ -47,16 +47,6 @@ def _matepoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return matepoint.checkpoint(function, *args, **kwargs)
 
 
-@pytest.mark.benchmark(group="per call, tiny layer, nothing to offload", min_rounds=500)
-@pytest.mark.parametrize("name", ["torch", "matepoint"])
-def test_per_call_cost(
-    benchmark: Any, tiny: tuple[torch.nn.Module, torch.Tensor], name: str
-) -> None:
-    layer, x = tiny
-    benchmark(_step(_torch if name == "torch" else _matepoint, layer, x))
-    assert x.grad is not None
-
-
 def _keep_matrix_products(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
     """A selective policy: matrix products saved, the rest recomputed."""
     if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
@@ -70,18 +60,36 @@ def _selective() -> Any:
     )
 
 
-@pytest.mark.skipif(
-    not hasattr(torch_checkpoint, "CheckpointPolicy"), reason="selective checkpointing: torch 2.5"
-)
-@pytest.mark.benchmark(group="per call, tiny layer, a selective policy", min_rounds=500)
+# Per call, nothing offloaded: plain, and under a selective policy (what a host-bound selective
+# step pays per checkpoint call).
+_POLICIES = [
+    pytest.param({}, "per call, tiny layer, nothing to offload", id="plain"),
+    pytest.param(
+        {"context_fn": _selective},
+        "per call, tiny layer, a selective policy",
+        id="selective",
+        marks=pytest.mark.skipif(
+            not hasattr(torch_checkpoint, "CheckpointPolicy"),
+            reason="selective checkpointing: torch 2.5",
+        ),
+    ),
+]
+
+
+@pytest.mark.benchmark(min_rounds=500)
+@pytest.mark.parametrize(("checkpoint_options", "group"), _POLICIES)
 @pytest.mark.parametrize("name", ["torch", "matepoint"])
-def test_per_call_cost_selective(
-    benchmark: Any, tiny: tuple[torch.nn.Module, torch.Tensor], name: str
+def test_per_call_cost(
+    benchmark: Any,
+    tiny: tuple[torch.nn.Module, torch.Tensor],
+    name: str,
+    checkpoint_options: dict[str, Any],
+    group: str,
 ) -> None:
-    """What a host-bound selective step pays per checkpoint call, nothing offloaded."""
     layer, x = tiny
-    checkpoint = functools.partial(_torch if name == "torch" else _matepoint, context_fn=_selective)
-    benchmark(_step(checkpoint, layer, x))
+    benchmark.group = group
+    engine = _torch if name == "torch" else _matepoint
+    benchmark(_step(functools.partial(engine, **checkpoint_options), layer, x))
     assert x.grad is not None
 
 
