@@ -10,7 +10,6 @@ checkpoint, and that a selective policy's outputs still cross to the host when n
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +26,7 @@ from _cuda_helpers import (
     torch_ckpt,
     train_step,
 )
+from test_cuda_offload_policy import sac
 
 import matepoint
 import matepoint_compat as compat
@@ -153,16 +153,8 @@ def test_a_policy_offloads_its_outputs_when_no_input_moves(
 ) -> None:
     """Block inputs (16 MiB) stay; the up-projection's output (64 MiB) is the policy's to move."""
 
-    def sac(decision: torch_checkpoint.CheckpointPolicy) -> Callable[[], Any]:
-        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-            if op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
-                return decision
-            return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-
-        return functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, policy)
-
-    saving = sac(torch_checkpoint.CheckpointPolicy.MUST_SAVE)
-    offloading = sac(torch_checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD)
+    saving = sac("MUST_SAVE")
+    offloading = sac("MUST_CPU_OFFLOAD")
 
     def reference(block: torch.nn.Module, h: torch.Tensor) -> Any:
         return torch_checkpoint.checkpoint(block, h, use_reentrant=False, context_fn=saving)
