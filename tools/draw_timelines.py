@@ -1,8 +1,8 @@
 """Draw the forward and backward stream timelines of docs/how-it-works.md as SVG files.
 
 The pictures are schematic: they show which stream does what and which events order the streams
-(see Note [Stream ordering] in ``matepoint/_transport.py``), not measured durations. Run from the
-repository root with matplotlib installed:
+(see Note [Stream ordering] in ``matepoint/_engine/transport.py``), not measured durations. Run
+from the repository root with matplotlib installed:
 
     python tools/draw_timelines.py
 

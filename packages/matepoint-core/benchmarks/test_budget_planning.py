@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import matepoint
-from matepoint import _plan_trace
+from matepoint._planner import trace as _plan_trace
 
 pytest.importorskip("pytest_benchmark")
 models = pytest.importorskip("matepoint_examples.models")

@@ -16,8 +16,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
+from matepoint._engine.pool import PinnedPool
 from matepoint._options import ResolvedOptions
-from matepoint._pool import PinnedPool
 from matepoint.testing import CPUTestTransport, use_transport
 
 pytest.importorskip("pytest_benchmark")

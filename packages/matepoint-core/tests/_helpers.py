@@ -16,7 +16,8 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
 import matepoint_compat as compat
-from matepoint import _engine, _registry
+from matepoint._engine import channel_engine as _engine
+from matepoint._engine import engines as _engines_table
 from matepoint.testing import CPUTestTransport
 
 WIDTH = 16
@@ -24,7 +25,7 @@ WIDTH = 16
 
 def engine_of(transport: CPUTestTransport) -> _engine.ChannelEngine:
     """Return the engine that offloads through ``transport`` (after at least one offload)."""
-    engine = _registry._engines.get(("cpu-test", id(transport)))
+    engine = _engines_table._engines.get(("cpu-test", id(transport)))
     assert engine is not None, "nothing was offloaded through this transport"
     return engine
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from matepoint._stats import rss_bytes as _rss_bytes
+from matepoint._engine.stats import rss_bytes as _rss_bytes
 
 Record = Callable[[str, object], None]
 """pytest's ``record_property`` fixture."""

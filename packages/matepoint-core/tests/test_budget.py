@@ -19,11 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import matepoint
-import matepoint._budget
+import matepoint._planner.policy
+import matepoint._planner.search
 import matepoint_compat as compat
-from matepoint._budget import step_seconds
-from matepoint._budget_plan import AVAILABLE, OFFLOAD_AVAILABLE
-from matepoint._budget_profile import DeviceModel, op_kind
+from matepoint._planner.op_kinds import op_kind
+from matepoint._planner.policy import AVAILABLE, OFFLOAD_AVAILABLE
+from matepoint._planner.time_model import DeviceModel, step_seconds
 from matepoint.testing import CPUTestTransport, use_transport
 
 if not AVAILABLE:
@@ -184,13 +185,13 @@ def test_a_kind_backward_never_recomputes_is_profiled_but_never_tried(
 ) -> None:
     """The down projection runs after everything backward reads from a block: not worth a try."""
     tried: list[dict[str, str]] = []
-    context_fn = matepoint._budget._context_fn
+    context_fn = matepoint._planner.policy.context_fn_of
 
     def logged(decisions: dict[str, Any], *args: Any) -> Any:
         tried.append(decisions)
         return context_fn(decisions, *args)
 
-    monkeypatch.setattr(matepoint._budget, "_context_fn", logged)
+    monkeypatch.setattr(matepoint._planner.search, "context_fn_of", logged)
     memory_plan = _plan()
     budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=FREE_POLICY)
     recomputed = {kind.kind: kind.recomputed for kind in budget.kinds}
@@ -541,7 +542,7 @@ def test_a_measure_that_returns_no_time_per_plan_is_named(
 def test_calibration_is_cached_per_device_and_torch_and_refreshed_on_request(
     tmp_path: Any,
 ) -> None:
-    from matepoint._calibrate import cached_model
+    from matepoint._planner.time_model import cached_model
 
     path = tmp_path / "models.json"
     calls: list[int] = []
@@ -573,7 +574,7 @@ def test_calibrating_without_a_gpu_says_so() -> None:
 
 @pytest.mark.parametrize("content", ["[]", '{"H200 | torch 2.11": {"warp_drive": 1}}', "{"])
 def test_a_calibration_cache_of_another_shape_is_measured_over(tmp_path: Any, content: str) -> None:
-    from matepoint._calibrate import cached_model
+    from matepoint._planner.time_model import cached_model
 
     path = tmp_path / "models.json"
     path.write_text(content)

@@ -1,6 +1,6 @@
 """The budget search plans fewer steps where two bounds know the outcome, and chooses the same.
 
-Note [Steps the search spares] in ``matepoint._budget``: each test runs the search with and
+Note [Steps the search spares] in ``matepoint._planner.search``: each test runs the search with and
 without the bounds and compares the whole choice, and counts the steps planned.
 """
 
@@ -12,8 +12,9 @@ import pytest
 from test_budget import BLOCKS, FREE_LINK, FREE_POLICY, _plan
 
 import matepoint
-from matepoint import _budget
-from matepoint._budget_plan import AVAILABLE
+from matepoint._planner import policy
+from matepoint._planner import search as _budget
+from matepoint._planner.policy import AVAILABLE
 
 pytestmark = pytest.mark.skipif(
     not AVAILABLE, reason="budget plans need torch's selective checkpointing (2.5+)"
@@ -39,14 +40,14 @@ def _search(
     """The search at ``share`` of the way from every block's peak to no checkpoint's, and each
     try's decisions; with the bounds off where ``bounds`` is False."""
     tried: list[dict[str, str]] = []
-    context_fn = _budget._context_fn
+    context_fn = policy.context_fn_of
 
     def logged(decisions: dict[str, str], *args: Any) -> Any:
         tried.append(dict(decisions))
         return context_fn(decisions, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(_budget, "_context_fn", logged)
+        patch.setattr(_budget, "context_fn_of", logged)
         if not bounds:
             patch.setattr(_budget, "_cannot_fit_kept", lambda *args: False)
             patch.setattr(_budget, "_surely_fits_kept", lambda *args: False)

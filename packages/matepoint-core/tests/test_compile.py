@@ -829,7 +829,7 @@ class StridedInputs(nn.Module):
 def test_a_non_dense_saved_input_stays_on_the_device_as_in_eager(
     transport: CPUTestTransport,
 ) -> None:
-    """The compiled pass asks the pack hook's rules (matepoint._saving.stay_reason), dense
+    """The compiled pass asks the pack hook's rules (matepoint._engine.saving.stay_reason), dense
     layout included."""
     reference = StridedInputs(torch_checkpoint.checkpoint)
     model = copy.deepcopy(reference)

@@ -172,7 +172,7 @@ def test_two_devices_in_one_process_use_their_own_channels() -> None:
     """
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    from matepoint import _registry
+    from matepoint._engine import engines as _engines_table
 
     def step(checkpoint_fn: Callable[..., Any]) -> list[torch.Tensor]:
         first = make_stack(3, seed=0, device="cuda:0")
@@ -195,8 +195,8 @@ def test_two_devices_in_one_process_use_their_own_channels() -> None:
 
     with matepoint.options(prefetch=2, max_inflight_bytes=0):
         result = step(mate)
-    with _registry._transport_lock:
-        keys = set(_registry._engines)
+    with _engines_table.lock:
+        keys = set(_engines_table._engines)
     print(f"\n[gpu] engines after a two-device step: {sorted(keys)}")
     assert {("cuda", 0), ("cuda", 1)} <= keys
     assert matepoint.stats(synchronize=True).offloads >= 5

@@ -32,7 +32,7 @@ from _helpers import run_in_threads
 from _recording import Record, report
 
 import matepoint
-from matepoint import _transport
+from matepoint._engine import transport as _transport
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_start")]
 

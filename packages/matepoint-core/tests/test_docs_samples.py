@@ -411,7 +411,7 @@ _PAGE = """
 Prose.
 
 ```python
-from matepoint._stats import format_bytes
+from matepoint._engine.stats import format_bytes
 print(format_bytes(3 << 20))
 print("took 12.5 ms")
 ```

@@ -24,8 +24,8 @@ from _helpers import (
 )
 
 import matepoint
-from matepoint import _registry
-from matepoint._transport import CudaTransport
+from matepoint._engine import active_transport
+from matepoint._engine.transport import CudaTransport
 from matepoint.testing import CopyReadFreedMemory, CPUTestTransport, use_transport
 
 
@@ -105,7 +105,7 @@ def test_overlapping_strides_stay_in_place(transport: CPUTestTransport) -> None:
 
 def test_cpu_tensors_never_offload_under_the_cuda_transport(fresh_stats: None) -> None:
     # On a machine without a GPU the default transport is the CUDA one: CPU tensors stay put.
-    assert isinstance(_registry.transport(), CudaTransport)
+    assert isinstance(active_transport.transport(), CudaTransport)
     model = Stack(depth=3)
     x = torch.randn(4, 16)
     with matepoint.options(min_offload_bytes=0):

@@ -37,7 +37,7 @@ from _recording import Record, report, rss_bytes
 from torch.utils import _pytree as pytree
 
 import matepoint
-from matepoint import _registry
+from matepoint._engine import engines as _engines_table
 from matepoint.testing import CPUTestTransport, use_transport
 
 DEPTH = 4
@@ -670,7 +670,7 @@ def test_arguments_on_two_devices(fresh_stats: None, record_property: Record) ->
     with use_transport(two), matepoint.options(min_offload_bytes=0):
         mine, reference = _twice(step)
         snapshot = matepoint.stats()
-        engines = set(_registry._engines)  # channel keys
+        engines = set(_engines_table._engines)  # channel keys
         first_engine_offloads = engine_of(two).counters.offloads
     _assert_same(mine, reference)
     assert snapshot.offloads == 2

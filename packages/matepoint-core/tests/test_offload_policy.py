@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import matepoint
 import matepoint_compat as compat
-from matepoint._stats import format_bytes
+from matepoint._engine.stats import format_bytes
 from matepoint.testing import CPUTestTransport, use_transport
 
 pytestmark = pytest.mark.skipif(

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import matepoint
-from matepoint import _options, _transport
+from matepoint import _options, _side_stream_delay
 from matepoint.testing import CPUTestTransport, delay_side_stream
 from matepoint_compat import MatepointDeprecationWarning
 
@@ -193,21 +193,21 @@ def test_device_settings_per_call_still_work_with_a_warning(transport: CPUTestTr
 def test_side_stream_delay_is_a_test_knob_of_the_transport() -> None:
     resolved = _options.resolve(None)
     with delay_side_stream(1000):
-        assert _transport.side_stream_delay() == 1000
+        assert _side_stream_delay.side_stream_delay() == 1000
         # Not an option of a call: the resolution does not change with it.
         assert _options.resolve(None) is resolved
         assert not hasattr(resolved, "side_stream_delay_cycles")
-    assert _transport.side_stream_delay() == 0
+    assert _side_stream_delay.side_stream_delay() == 0
     with (
         pytest.warns(MatepointDeprecationWarning, match="delay_side_stream"),
         matepoint.options(side_stream_delay_cycles=5),
     ):
-        assert _transport.side_stream_delay() == 5
-    assert _transport.side_stream_delay() == 0
+        assert _side_stream_delay.side_stream_delay() == 5
+    assert _side_stream_delay.side_stream_delay() == 0
     with pytest.warns(MatepointDeprecationWarning, match="per call it has no effect"):
         per_call = matepoint.OffloadOptions(side_stream_delay_cycles=5)
     assert _options.resolve(per_call) is not None
-    assert _transport.side_stream_delay() == 0
+    assert _side_stream_delay.side_stream_delay() == 0
 
 
 def test_the_deprecated_delay_warns_at_the_callers_line_and_is_checked_first() -> None:
@@ -231,13 +231,13 @@ def test_the_deprecated_delay_warns_at_the_callers_line_and_is_checked_first() -
         matepoint.options(side_stream_delay_cycles=5, bogus=1),
     ):
         pass
-    assert _transport.side_stream_delay() == 0
+    assert _side_stream_delay.side_stream_delay() == 0
     with (
         pytest.warns(MatepointDeprecationWarning),
         pytest.raises(ValueError, match=r"settings\.side_stream_delay_cycles"),
     ):
         matepoint.configure(side_stream_delay_cycles=-1)
-    assert _transport.side_stream_delay() == 0
+    assert _side_stream_delay.side_stream_delay() == 0
 
 
 def test_resolution_is_reused_while_nothing_changes() -> None:

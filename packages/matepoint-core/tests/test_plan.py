@@ -79,7 +79,7 @@ def test_peak_grows_with_depth_except_under_matepoint() -> None:
 
 def test_matrix_products_count_one_cublas_workspace_per_thread() -> None:
     """Forward's thread and autograd's device thread each keep a cuBLAS workspace."""
-    from matepoint._plan_trace import CUBLAS_WORKSPACE_BYTES
+    from matepoint._planner.trace import CUBLAS_WORKSPACE_BYTES
 
     with torch.device("meta"):
         layers = torch.nn.ModuleList(torch.nn.Linear(512, 512, bias=False) for _ in range(3))
@@ -295,7 +295,8 @@ def test_plan_leaves_the_real_engine_alone() -> None:
 
 def test_a_plan_attaches_to_its_own_thread_only() -> None:
     """Another thread checkpoints for real while a plan is in its forward, and both are right."""
-    from matepoint import _checkpoint, _saving
+    from matepoint import _checkpoint
+    from matepoint._engine import saving as _saving
 
     inside, resume = threading.Event(), threading.Event()
     errors: list[BaseException] = []
@@ -411,8 +412,8 @@ def test_recommend_offloads_nothing_when_torch_checkpoint_fits() -> None:
 
 
 def test_threshold_candidates_are_round() -> None:
-    from matepoint._plan import _threshold_classes
-    from matepoint._plan_step import SavedInput
+    from matepoint._planner.recommend import _threshold_classes
+    from matepoint._planner.step import SavedInput
 
     def saves(*sizes: int) -> tuple[SavedInput, ...]:
         return tuple(
@@ -476,7 +477,7 @@ def test_recommend_says_what_would_fit_when_nothing_does() -> None:
 
 def test_meta_results_are_reused_only_where_arguments_decide_them() -> None:
     """Note [Meta results reused]: a reused result is a fresh tensor of the layout the op gave."""
-    from matepoint import _plan_trace
+    from matepoint._planner import trace as _plan_trace
 
     aten = torch.ops.aten
     assert _plan_trace._reusable(aten.mul.Tensor)
@@ -513,7 +514,7 @@ def test_meta_results_are_reused_only_where_arguments_decide_them() -> None:
 
 
 def test_a_plan_is_the_same_with_meta_results_reused_or_not() -> None:
-    from matepoint import _plan_trace
+    from matepoint._planner import trace as _plan_trace
 
     def planned() -> list[Any]:
         memory_plan = matepoint.plan(chain(4), meta_input())

@@ -1,7 +1,7 @@
 """The planner against the engine: the same models, the same options, every counter equal.
 
 The planner runs matepoint's own engine over a channel that moves nothing (see Note [Planner
-fidelity] in ``matepoint._plan_step``). Here each model runs twice: for real on the CPU test
+fidelity] in ``matepoint._planner.step``). Here each model runs twice: for real on the CPU test
 transport (copies complete at once, the planner's one assumption) and planned on the meta
 device, and every field of :class:`matepoint.OffloadStats` the step leaves must agree. The models
 share inputs the ways real ones do: one tensor passed to every block (nanochat's ``x0``), and

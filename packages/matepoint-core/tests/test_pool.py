@@ -19,7 +19,7 @@ from _helpers import (
 )
 
 import matepoint
-from matepoint import _pool
+from matepoint._engine import pool as _pool
 from matepoint.testing import CPUTestTransport, use_transport
 from matepoint_compat import ignore_torch_warnings
 

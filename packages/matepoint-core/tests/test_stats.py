@@ -8,7 +8,7 @@ import torch
 from _helpers import Stack, grads_of, mate_ckpt, settle
 
 import matepoint
-from matepoint._stats import Counters, OffloadStats, format_report
+from matepoint._engine.stats import Counters, OffloadStats, format_report
 from matepoint.testing import CPUTestTransport
 
 SECTIONS = (

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import matepoint
-from matepoint import _registry, _transport
+from matepoint import _side_stream_delay
+from matepoint._engine import active_transport
 from matepoint.testing import (
     POISON_BYTE,
     CopyReadFreedMemory,
@@ -182,15 +183,15 @@ def test_concurrent_waits_from_threads() -> None:
 
 
 def test_use_transport_restores_the_previous_one(fresh_stats: None) -> None:
-    before = _registry.transport()
+    before = active_transport.transport()
     inner = CPUTestTransport()
     with use_transport(inner) as active:
         assert active is inner
-        assert _registry.transport() is inner
-    assert _registry.transport() is before
+        assert active_transport.transport() is inner
+    assert active_transport.transport() is before
     with pytest.raises(KeyError), use_transport(CPUTestTransport()):
         raise KeyError("x")
-    assert _registry.transport() is before
+    assert active_transport.transport() is before
 
 
 def test_engine_under_the_transport_end_to_end(fresh_stats: None) -> None:
@@ -229,15 +230,15 @@ def test_an_engine_with_live_records_outlives_the_switch() -> None:
 
 def test_the_side_stream_delay_belongs_to_the_transport() -> None:
     """``delay_side_stream`` sets the transport's delay, which the CUDA channel reads per copy."""
-    assert _transport.side_stream_delay() == 0
+    assert _side_stream_delay.side_stream_delay() == 0
     with delay_side_stream(1000) as cycles:
         assert cycles == 1000
-        assert _transport.side_stream_delay() == 1000
+        assert _side_stream_delay.side_stream_delay() == 1000
         with delay_side_stream(0):
-            assert _transport.side_stream_delay() == 0
-        assert _transport.side_stream_delay() == 1000
-    assert _transport.side_stream_delay() == 0
+            assert _side_stream_delay.side_stream_delay() == 0
+        assert _side_stream_delay.side_stream_delay() == 1000
+    assert _side_stream_delay.side_stream_delay() == 0
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match=r"delay_side_stream\.cycles"):
-            _transport.set_side_stream_delay(bad)  # type: ignore[arg-type]
-    assert _transport.side_stream_delay() == 0
+            _side_stream_delay.set_side_stream_delay(bad)  # type: ignore[arg-type]
+    assert _side_stream_delay.side_stream_delay() == 0

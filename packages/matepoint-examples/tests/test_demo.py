@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import matepoint
-from matepoint._stats import format_bytes
+from matepoint._engine.stats import format_bytes
 from matepoint_examples import demo
 from matepoint_examples.models import DeepLatentConfig
 

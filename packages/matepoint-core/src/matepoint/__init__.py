@@ -9,15 +9,20 @@ stream that overlaps compute.
 import sys
 
 import matepoint_compat as _compat
-from matepoint._budget_plan import BudgetPlan
-from matepoint._budget_profile import DeviceModel
-from matepoint._calibrate import calibrate
 from matepoint._checkpoint import checkpoint, checkpoint_sequential
+from matepoint._engine.stats import OffloadStats
 from matepoint._errors import InplaceModificationError, MatepointError, PinnedMemoryExhausted
 from matepoint._monitor import prefetch_now, release_pool, report, reset_stats, stats
 from matepoint._options import OffloadOptions, OffloadSettings, configure, get_options, options
-from matepoint._plan import MemoryPlan, Recommendation, StrategyPlan, TimelinePoint, plan
-from matepoint._stats import OffloadStats
+from matepoint._planner.budget_plan import BudgetPlan
+from matepoint._planner.memory_plan import (
+    MemoryPlan,
+    Recommendation,
+    StrategyPlan,
+    TimelinePoint,
+    plan,
+)
+from matepoint._planner.time_model import DeviceModel, calibrate
 
 __version__ = "0.2.0"
 

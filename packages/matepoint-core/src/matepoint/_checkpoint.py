@@ -23,6 +23,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import matepoint_compat as compat
 from matepoint import _compiled
+from matepoint._engine.planning_scope import planning
+from matepoint._engine.saving import pack, stays_in_place, unpack
 from matepoint._options import (
     OffloadOptions,
     ResolvedOptions,
@@ -30,8 +32,6 @@ from matepoint._options import (
     get_options,
     resolve,
 )
-from matepoint._registry import planning
-from matepoint._saving import pack, stays_in_place, unpack
 from matepoint._selective import offload_policy_outputs
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -267,7 +267,7 @@ def _checkpoint(
     if kwargs:
         check_misplaced_settings(kwargs, function)
     plan = planning()
-    if plan is not None:  # See Note [Planning scope] in matepoint._registry.
+    if plan is not None:  # See Note [Planning scope] in matepoint._engine.planning_scope.
         if plan.strategy == "none":
             return function(*args, **kwargs)
         options = plan.options_for(options)

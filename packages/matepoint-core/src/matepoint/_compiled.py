@@ -29,8 +29,8 @@ Note [The compiled path]
     ``matepoint._options.resolve`` (its ``offload=`` and ``pipeline=``, the settings, the 0.1.x
     ``NOPIPELINE``; its errors), called when Dynamo traces the region (changing the settings
     later does not recompile); which values move is the pack hook's own answer,
-    ``matepoint._saving.stay_reason`` (the keep rules, the transport's device, a dense layout),
-    asked of the traced values. ``pipeline`` chooses torch's transfer stream and prefetched
+    ``matepoint._engine.saving.stay_reason`` (the keep rules, the transport's device, a dense
+    layout), asked of the traced values. ``pipeline`` chooses torch's transfer stream and prefetched
     reloads, or synchronous copies; with the stream, ``max_inflight_bytes`` bounds the forward
     copies still running when a new one starts, as in eager mode (Note [The forward copy
     window]: torch alone makes the compute stream wait for each copy right after starting it),
@@ -74,9 +74,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint_compat as compat
+from matepoint._engine.active_transport import transport
+from matepoint._engine.saving import stay_reason
 from matepoint._options import OffloadOptions, resolve
-from matepoint._registry import transport
-from matepoint._saving import stay_reason
 
 __all__ = ["checkpoint"]
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import matepoint_compat as compat
-from matepoint import _registry
+from matepoint._engine import engines
+from matepoint._engine.engines import all_engines
+from matepoint._engine.saving import kept_counters
+from matepoint._engine.stats import OffloadStats, format_report
 from matepoint._options import resolve
-from matepoint._registry import all_engines
-from matepoint._saving import kept_counters
-from matepoint._stats import OffloadStats, format_report
 
 __all__ = ["prefetch_now", "release_pool", "report", "reset_stats", "stats"]
 
@@ -32,7 +32,7 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
     """
     snapshot = OffloadStats()
     snapshot.add(kept_counters)
-    snapshot.add(_registry.retired)
+    snapshot.add(engines.retired)
     snapshot.add(compat.COMPILED_TRAFFIC)
     for engine in all_engines():
         engine.settle(block=synchronize)
@@ -60,7 +60,7 @@ def reset_stats() -> None:
     """
     kept_counters.reset()
     compat.COMPILED_TRAFFIC.reset()
-    _registry.retired = OffloadStats()
+    engines.retired = OffloadStats()
     for engine in all_engines():
         with engine.lock:
             engine.counters.reset()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import matepoint_compat as compat
-from matepoint._transport import set_side_stream_delay, side_stream_delay
+from matepoint._side_stream_delay import set_side_stream_delay, side_stream_delay
 
 __all__ = [
     "OffloadOptions",

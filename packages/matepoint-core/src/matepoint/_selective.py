@@ -6,10 +6,10 @@ Note [Offloading what a selective policy saves]
     (``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD``). torch's eager checkpoint does not implement
     the last two (it recomputes those ops). matepoint does: when a call with such a
     ``context_fn`` offloads, the forward mode saves those outputs, and the entry it stores for
-    each is what :func:`matepoint._saving.pack` returns for the output (a ``Record`` whose copy
-    runs on the side stream, or a ``KeptTensor`` when a keep rule leaves it on the device) in
-    place of the device tensor. The recomputation asks the entry for its value, which
-    :func:`matepoint._saving.unpack` brings back: the op is not run again. So the engine's
+    each is what :func:`matepoint._engine.saving.pack` returns for the output (a ``Record``
+    whose copy runs on the side stream, or a ``KeptTensor`` when a keep rule leaves it on the
+    device) in place of the device tensor. The recomputation asks the entry for its value, which
+    :func:`matepoint._engine.saving.unpack` brings back: the op is not run again. So the engine's
     rules all apply to these outputs as to checkpoint inputs (keep rules, dedupe, stash,
     look-ahead prefetch, bounded bytes in flight, version checks, stream ordering) and their
     host copies live as long as torch's storage entry: until the recomputation consumes it, or
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 import matepoint_compat as compat
-from matepoint._engine import Record
+from matepoint._engine.channel_engine import Record
+from matepoint._engine.saving import KeptTensor, pack, unpack
 from matepoint._errors import InplaceModificationError
 from matepoint._options import ResolvedOptions
-from matepoint._saving import KeptTensor, pack, unpack
 
 __all__ = ["offload_policy_outputs"]
 
@@ -40,7 +40,8 @@ class _OffloadedOutput:
     """The storage entry of one offloaded policy output: torch asks it for the tensor back.
 
     Stands in for torch's ``_VersionWrapper``; the version check it makes is the one
-    :func:`matepoint._saving.unpack` makes on every saved tensor, worded here as torch words it.
+    :func:`matepoint._engine.saving.unpack` makes on every saved tensor, worded here as torch
+    words it.
     """
 
     __slots__ = ("options", "saved")

@@ -25,9 +25,9 @@ from typing import Any
 
 from torch import nn
 
-from matepoint._budget_plan import BudgetPlan
 from matepoint._checkpoint import checkpoint
 from matepoint._options import configure
+from matepoint._planner.budget_plan import BudgetPlan
 from matepoint_compat import torch_apply_activation_checkpointing, torch_checkpoint_wrapper
 
 __all__ = [

@@ -5,7 +5,7 @@ completes each copy only at an explicit sync point: when the engine makes comput
 copy's event, blocks on it, or (if asked) polls it. Until then the destination holds poison, so an
 engine that reads a copy before ordering on it produces wrong numbers, and a copy whose source the
 engine let go too early fails loudly. That is how CI tests the ordering that streams enforce on a
-GPU (see Note [Stream ordering] in ``matepoint._transport``).
+GPU (see Note [Stream ordering] in ``matepoint._engine.transport``).
 
 Example:
     >>> import torch, matepoint
@@ -29,8 +29,9 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from matepoint._registry import set_transport, transport
-from matepoint._transport import Channel, Transport, set_side_stream_delay, side_stream_delay
+from matepoint._engine.active_transport import set_transport, transport
+from matepoint._engine.transport import Channel, Transport
+from matepoint._side_stream_delay import set_side_stream_delay, side_stream_delay
 
 __all__ = [
     "POISON_BYTE",

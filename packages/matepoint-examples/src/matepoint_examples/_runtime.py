@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 # The project's one byte formatter and one RSS reader live in core (this package pins its release).
-from matepoint._stats import format_bytes, rss_bytes
+from matepoint._engine.stats import format_bytes, rss_bytes
 
 __all__ = [
     "allocated_bytes",

@@ -156,7 +156,7 @@ def measure_finalists(
     times the median of its per-round ratios to that reference (the pairing the other
     strategies are compared with; a median of each one's own times mixes the host's drift into
     the comparison); one that ran out of memory in any round measures ``math.inf`` (Note
-    [Measured finalists] in ``matepoint._budget``).
+    [Measured finalists] in ``matepoint._planner.search``).
     """
 
     def measure(plans: Sequence[matepoint.BudgetPlan]) -> list[float]:

@@ -7,8 +7,8 @@ checkpoint once, plans a budget step on the meta device for each budget (``--bud
 checkpoint's measured peak, halfway to no checkpoint's, or a fixed size such as ``24GiB``;
 ``--device-memory 24GiB`` caps the process there with
 ``torch.cuda.set_per_process_memory_fraction``) with the search's two finalists measured on the
-GPU (Note [Measured finalists] in ``matepoint._budget``; where the time model alone would have
-chosen otherwise, its plan runs too, as ``budget@... model``), then runs every strategy
+GPU (Note [Measured finalists] in ``matepoint._planner.search``; where the time model alone
+would have chosen otherwise, its plan runs too, as ``budget@... model``), then runs every strategy
 alternately, step by step (see ``matepoint_examples.bench._paired`` for why), and reports per
 strategy the median per-round step ratio to torch's checkpoint [interquartile range], the
 measured peak, and for the budget plans the predicted peak. A strategy that runs out of memory
@@ -50,7 +50,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor
 
 import matepoint
-from matepoint._budget_profile import op_kind
+from matepoint._planner.op_kinds import op_kind
 from matepoint_examples.bench._budget_report import (
     TWIN_SUFFIX,
     plot_frontier,

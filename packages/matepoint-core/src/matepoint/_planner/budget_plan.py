@@ -1,6 +1,6 @@
 """A budget plan: the choice the search made, and the selective-checkpoint policy that applies it.
 
-The search (``matepoint._budget``) decides keep, offload or recompute per kind of op; a
+The search (``matepoint._planner.search``) decides keep, offload or recompute per kind of op; a
 :class:`BudgetPlan` carries that choice with its planned figures, and its ``context_fn`` turns
 the choice into torch's selective-checkpoint contexts on every checkpoint call, a fresh policy
 per region (Note [A plan's regions]).
@@ -8,110 +8,21 @@ per region (Note [A plan's regions]).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import itertools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
-import torch.utils.checkpoint as torch_checkpoint
+from matepoint._planner.op_kinds import KindProfile
+from matepoint._planner.policy import Decision, context_fn_of, policy_of
+from matepoint._planner.step import StrategyPlan
 
-import matepoint_compat as compat
-from matepoint._budget_profile import KindProfile, _named_kind, occurrence_class, op_kind
-from matepoint._plan_step import StrategyPlan
-
-__all__ = ["AVAILABLE", "OFFLOAD_AVAILABLE", "BudgetPlan", "Decision"]
-
-Decision = Literal["keep", "offload", "recompute"]
+__all__ = ["BudgetPlan"]
 _GIB = float(1 << 30)
 # A planned peak above this share of the budget gets a word on fragmentation when printed: a
 # budget bounds allocated memory, and a device capped at the budget must also hold what the
 # caching allocator reserves beyond it (docs/budget.md, "What the planned numbers are", has a
 # plan within its budget that ran out of memory under a cap of that size).
 _NEAR_BUDGET = 0.9
-
-
-# The ids of the ops whose name alone makes them "other" (Note [Op kinds]): a plan's policy
-# answers them first, from the op alone, since it meets every op of every region in training's
-# hot path. An op's overload lives as long as torch, so its id names it for good.
-_OTHER_OPS: set[int] = set()
-
-# Torch's selective checkpointing (CheckpointPolicy, create_selective_checkpoint_contexts) came
-# with 2.5, its offload values with 2.11 (gate SELECTIVE_OFFLOAD_POLICIES): before 2.11 a plan
-# keeps or recomputes only; before 2.5 there is no budget plan.
-AVAILABLE = compat.TORCH_2_5_PLUS
-OFFLOAD_AVAILABLE = bool(compat.SELECTIVE_OFFLOAD_POLICIES)
-_POLICY_VALUES: dict[str, Any] = {}
-if AVAILABLE:
-    _POLICY_VALUES["keep"] = torch_checkpoint.CheckpointPolicy.MUST_SAVE
-    _POLICY_VALUES["recompute"] = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-if OFFLOAD_AVAILABLE:
-    _POLICY_VALUES["offload"] = torch_checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
-
-
-def _policy(
-    decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int, region: int
-) -> Callable[..., Any]:
-    """Region ``region``'s policy; it counts the ops it sees, so it serves one call.
-
-    Note [A plan's regions]
-        A plan's regions are the checkpoint calls of one step, in their order: the ``n``-th call
-        a ``context_fn`` serves is region ``n`` modulo the number of regions the plan saw, so a
-        step, each micro-batch of gradient accumulation and an evaluation forward of the same
-        model all start again at region 0. A class kept in the last ``k`` regions only
-        (``BudgetPlan.kept_in_last``) is kept there and decided as every region decides it
-        elsewhere: the last regions' outputs are the first backward frees, so they cost the
-        least memory at a peak late in backward. A model that checkpoints a different number of
-        regions from step to step needs a plan without ``kept_in_last``.
-    """
-    kept = [name for name, last in kept_in_last.items() if region >= regions - last]
-    chosen: dict[str, Decision] = {**decisions, **dict.fromkeys(kept, "keep")}
-    # Ops of each kind seen so far in the region, in forward and in the recomputation apart
-    # (Note [Op kinds]).
-    seen: collections.Counter[tuple[bool, str]] = collections.Counter()
-    # A profile never ranks "other" (Note [Op kinds]): unless a plan names it, such an op, most
-    # of a region's, is recomputed without being counted, told apart by the op alone.
-    other_decided = any(name.split(" #")[0] == "other" for name in chosen)
-    recompute = _POLICY_VALUES["recompute"]
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        del kwargs
-        if not other_decided and id(func) in _OTHER_OPS:
-            return recompute
-        kind = op_kind(func, args)
-        if kind == "other" and not other_decided:
-            if _named_kind(func.overloadpacket) == "other":
-                _OTHER_OPS.add(id(func))
-            return recompute
-        key = (bool(ctx.is_recompute), kind)
-        seen[key] += 1
-        decision = chosen.get(occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))
-        return _POLICY_VALUES[decision]
-
-    # A plan that offloads nothing needs no offload wrapper around its contexts.
-    return policy if "offload" in chosen.values() else compat.never_offloading(policy)
-
-
-def _context_fn(
-    decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int
-) -> Callable[[], Any] | None:
-    """A plan's ``context_fn``: torch's selective-checkpoint contexts around a fresh policy of
-    the next region (Note [A plan's regions]); None when everything is recomputed.
-
-    A plain function: Dynamo takes a checkpoint's ``context_fn`` only as one (or a partial), so
-    a plan runs under a whole-model compile too.
-    """
-    if not kept_in_last and all(decision == "recompute" for decision in decisions.values()):
-        return None
-    calls = itertools.count()
-
-    def context_fn() -> Any:
-        region = next(calls) % regions
-        return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-            _policy(decisions, kept_in_last, regions, region)
-        )
-
-    return context_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +85,7 @@ class BudgetPlan:
         kinds apart by counting them (Note [Op kinds]), so each checkpoint call needs a fresh
         one: :meth:`context_fn` makes one per call, for the call's region.
         """
-        return _policy(dict(self.decisions), dict(self.kept_in_last), self.regions, region)
+        return policy_of(dict(self.decisions), dict(self.kept_in_last), self.regions, region)
 
     def context_fn(self) -> Callable[[], Any] | None:
         """The ``context_fn`` for every checkpoint call (None when everything is recomputed).
@@ -182,7 +93,7 @@ class BudgetPlan:
         Each call makes torch's selective-checkpoint contexts around a fresh :meth:`policy` of
         the next region. Use one per model: it counts the calls it serves.
         """
-        return _context_fn(dict(self.decisions), dict(self.kept_in_last), self.regions)
+        return context_fn_of(dict(self.decisions), dict(self.kept_in_last), self.regions)
 
     def settings_changes(self) -> dict[str, Any]:
         """The settings to pass to :func:`matepoint.configure` with it."""

@@ -34,7 +34,7 @@ Note [Meta results reused]
     Anything else runs as it is.
 
 Note [Bookkeeping without torch function modes]
-    Backward runs with ``CudaKernels`` (``matepoint._plan_kernels``) in force
+    Backward runs with ``CudaKernels`` (``matepoint._planner.kernels``) in force
     (``compat.run_backward``: the recomputation must meet it), and a torch function mode sees
     every tensor method and property called while it is in force, in Python, at ten times the
     call's own cost. The tracker reads a dozen of

@@ -4,7 +4,7 @@ A checkpointed step recomputes every activation of its regions in backward, whic
 fifth of a transformer's step; keeping what is expensive to recompute buys that time back with
 device memory, and offloading it buys it back with link time that forward's compute can hide.
 :func:`fastest_under` chooses, per kind of op inside the checkpointed regions (Note [Op kinds]
-in ``matepoint._budget_profile``), one of the three, in every region or keeping in the last
+in ``matepoint._planner.op_kinds``), one of the three, in every region or keeping in the last
 regions only (Note [A plan's regions]), and the look-ahead, so that the planned
 step is as fast as the time model says it can be while its planned peak stays within the
 budget. Every candidate is planned by running the step itself on the meta device through the
@@ -56,40 +56,15 @@ from typing import NamedTuple
 
 import torch
 
-from matepoint._budget_plan import (
-    AVAILABLE,
-    OFFLOAD_AVAILABLE,
-    BudgetPlan,
-    Decision,
-    _context_fn,
-)
-from matepoint._budget_profile import DeviceModel, KindProfile, RegionProfiler
 from matepoint._options import OffloadSettings
-from matepoint._plan_step import Planned, StrategyPlan
-from matepoint._plan_trace import ALLOCATION_GRANULARITY
+from matepoint._planner.budget_plan import BudgetPlan
+from matepoint._planner.op_kinds import KindProfile, RegionProfiler
+from matepoint._planner.policy import AVAILABLE, OFFLOAD_AVAILABLE, Decision, context_fn_of
+from matepoint._planner.step import Planned, StrategyPlan
+from matepoint._planner.time_model import DeviceModel, step_seconds
+from matepoint._planner.trace import ALLOCATION_GRANULARITY
 
-__all__ = ["fastest_under", "step_seconds"]
-
-
-def step_seconds(
-    strategy_plan: StrategyPlan, device: DeviceModel, prefetch: int, policy_ops: int = 0
-) -> float:
-    """Estimate a planned step's time: compute, plus link time the compute cannot hide.
-
-    Compute is the step's FLOPs at ``device.peak_flops`` (recomputation included, so what is
-    kept or offloaded shortens backward). Copies to the host overlap forward and copies back
-    overlap backward; what they take beyond that is added. Without look-ahead every copy back
-    is waited for. ``policy_ops`` ops pass through a selective-checkpoint policy (torch runs
-    it in Python for every op of a region, in forward and again in the recomputation), each
-    costing ``device.policy_seconds_per_op``.
-    """
-    forward = strategy_plan.forward_flops / device.peak_flops
-    backward = strategy_plan.backward_flops / device.peak_flops
-    to_host = strategy_plan.bytes_to_host / device.to_host_bandwidth
-    to_device = strategy_plan.bytes_to_device / device.to_device_bandwidth
-    hidden_back = 0.0 if prefetch == 0 else backward
-    exposed = max(0.0, to_host - forward) + max(0.0, to_device - hidden_back)
-    return forward + backward + exposed + policy_ops * device.policy_seconds_per_op
+__all__ = ["fastest_under"]
 
 
 # Steps planned to keep kinds in the last regions only, at most (Note [The budget search]).
@@ -196,7 +171,7 @@ def fastest_under(
     ) -> _Trial:
         """Plan one candidate; its time leaves out the policy's host cost unless asked."""
         nonlocal smallest
-        context_fn = _context_fn(decisions, kept_in_last, regions)
+        context_fn = context_fn_of(decisions, kept_in_last, regions)
         tried = replan(candidate, context_fn=context_fn)[0]
         smallest = min(smallest, tried.peak_bytes)
         ops = policy_ops if policy_cost and context_fn else 0

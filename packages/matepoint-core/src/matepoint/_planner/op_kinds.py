@@ -1,6 +1,6 @@
 """What each checkpointed region computes, op by op, and what recomputing each kind of op costs.
 
-A budget plan (``matepoint._budget``) decides per kind of op inside the checkpointed regions
+A budget plan (``matepoint._planner.search``) decides per kind of op inside the checkpointed regions
 whether its outputs are kept on the device, offloaded to host memory, or recomputed. This module
 gives it the two things it ranks the kinds by: the bytes an op's outputs hold, and the FLOPs
 recomputing them takes (torch's flop counter, no GPU needed), summed per kind over a step.
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 import matepoint_compat as compat
-from matepoint._plan_trace import tensors_in
+from matepoint._planner.trace import tensors_in
 
-__all__ = ["DeviceModel", "KindProfile", "RegionProfiler", "occurrence_class", "op_kind"]
+__all__ = ["KindProfile", "RegionProfiler", "occurrence_class", "op_kind"]
 
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
 # The matrix operands' positions: addmm and baddbmm take the bias first.
@@ -59,32 +59,6 @@ def op_kind(func: Any, args: tuple[Any, ...]) -> str:
             return f"matmul {left.shape[-1]}x{right.shape[-1]}"
         return "other"
     return named
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceModel:
-    """The device a plan's times are estimated for: peak rates, no measurement needed.
-
-    Attributes:
-        peak_flops: Dense matrix FLOP/s (bf16 on an H100/H200 by default).
-        memory_bandwidth: Device memory bytes per second.
-        to_host_bandwidth: Device-to-host link bytes per second.
-        to_device_bandwidth: Host-to-device link bytes per second.
-        policy_seconds_per_op: Host time a selective-checkpoint policy adds to one op (torch
-            dispatches every op of a region through a Python mode, in forward and again in the
-            recomputation). On an H200 host with torch 2.11, torch's own selective peers were
-            slower than plain checkpointing on a 16-block stack of width 2048 for this reason.
-    """
-
-    peak_flops: float = 989e12
-    memory_bandwidth: float = 4.8e12
-    to_host_bandwidth: float = 55e9
-    to_device_bandwidth: float = 55e9
-    policy_seconds_per_op: float = 10e-6
-
-    def op_seconds(self, flops: int, moved_bytes: int) -> float:
-        """Estimate one op's time: bound by arithmetic or by memory traffic, the larger."""
-        return max(flops / self.peak_flops, moved_bytes / self.memory_bandwidth)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The planner runs one training step of the user's own model on the meta device, once with no
 checkpoint, once with torch's checkpoint and once with matepoint, whose own offload engine runs
-on tensors that hold no memory (see ``matepoint._plan_step``). It reports, per strategy,
+on tensors that hold no memory (see ``matepoint._planner.step``). It reports, per strategy,
 the peak device memory and its timeline, the bytes forward leaves for backward, the pinned host
 RAM, the bytes each way over the link, and the time those bytes need against an estimate of the
 compute time, and it proposes options that fit a device-memory budget.
@@ -10,29 +10,23 @@ compute time, and it proposes options that fit a device-memory budget.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import sys
 import textwrap
 from collections.abc import Callable, Sequence
-from functools import cache, partial
-from itertools import accumulate
+from functools import partial
 from typing import Any
 
 import torch
 
-from matepoint._budget import fastest_under
-from matepoint._budget_plan import BudgetPlan
-from matepoint._budget_profile import DeviceModel
 from matepoint._options import OffloadOptions, OffloadSettings, get_options, resolve
-from matepoint._plan_step import Planned, SavedInput, StrategyPlan, TimelinePoint, run_step
+from matepoint._planner.budget_plan import BudgetPlan
+from matepoint._planner.recommend import Recommendation, recommend
+from matepoint._planner.search import fastest_under
+from matepoint._planner.step import Planned, SavedInput, StrategyPlan, TimelinePoint, run_step
+from matepoint._planner.time_model import DEFAULT_LINK_BANDWIDTH, DEFAULT_PEAK_FLOPS, DeviceModel
 
 __all__ = ["MemoryPlan", "Recommendation", "StrategyPlan", "TimelinePoint", "plan"]
 
-# Bytes per second each way: pinned copies measured on an H200 host (PCIe 5).
-DEFAULT_LINK_BANDWIDTH = 55e9
-# FLOP/s: dense bf16 peak of an H100 / H200.
-DEFAULT_PEAK_FLOPS = 989e12
 STRATEGIES = ("none", "torch", "matepoint")
 _GB = 1e9
 _GIB = float(1 << 30)
@@ -97,7 +91,8 @@ class MemoryPlan:
 
         Re-plans the step with selective-checkpoint policies on every ``matepoint.checkpoint``
         call (one profile, then a few steps per kind of op); see Note [The budget search] in
-        ``matepoint._budget``. Peaks and bytes are the planner's; times come from ``device``.
+        ``matepoint._planner.search``. Peaks and bytes are the planner's; times come from
+        ``device``.
 
         Args:
             budget_bytes: Device memory the step may use, parameters and gradients included.
@@ -108,7 +103,7 @@ class MemoryPlan:
             measure: Times plans on the real device: called with the search's finalists (the
                 fastest plan with a selective-checkpoint policy and the fastest without), it
                 returns each one's step time in seconds, and the faster is chosen (Note
-                [Measured finalists] in ``matepoint._budget``). Default: ``None``, the time
+                [Measured finalists] in ``matepoint._planner.search``). Default: ``None``, the time
                 model decides.
 
         Returns:
@@ -260,158 +255,3 @@ def plan(
     saves = results["matepoint"][1] if "matepoint" in results else ()
     plans = {strategy: result[0] for strategy, result in results.items()}
     return MemoryPlan(plans, options, link_bandwidth, peak_flops, saves, partial(run, "matepoint"))
-
-
-# -- recommending offload options -------------------------------------------------------------
-
-_MAX_THRESHOLDS = 6
-_OFFLOADABLE = ("offloaded", "shared", "small")
-
-
-@dataclasses.dataclass(frozen=True)
-class Recommendation:
-    """Options proposed for a device-memory budget, or what would fit if nothing does.
-
-    Three options trade device memory against link traffic: ``min_offload_bytes`` keeps small
-    inputs on the device (no copy either way), ``stash_bytes`` keeps the newest inputs on the
-    device (their copy to the host still happens, the copy back does not), and ``prefetch``
-    holds copies back ahead of need (no traffic, only memory and overlap). The search re-plans
-    the step on the meta device for each candidate.
-
-    It first finds the deepest look-ahead (up to the current ``prefetch``) with which
-    the most frugal options fit (every input offloaded, nothing stashed). It then tries each
-    size class of checkpoint inputs as the ``min_offload_bytes`` threshold, from offloading
-    everything up, and for each the largest stash that still fits (binary search over the
-    newest inputs), and keeps the fitting candidate with the fewest link bytes.
-
-    Attributes:
-        budget_bytes: The device-memory budget.
-        fits: Whether some options fit.
-        options: The proposal (``None`` if nothing fits).
-        plan: The matepoint step planned with the proposal, or with the most frugal options
-            when nothing fits.
-        minimum_peak_bytes: The peak of the most frugal options (every input offloaded,
-            nothing stashed) at the chosen look-ahead, or without look-ahead if nothing fits.
-        fixed_bytes: Parameters and their gradients: memory a smaller batch does not shrink.
-        batch_fraction: When nothing fits, the estimated fraction of the example batch that
-            would (activation memory taken as proportional to the batch); else ``None``.
-        steps_planned: How many meta steps the search ran.
-    """
-
-    budget_bytes: int
-    fits: bool
-    options: OffloadSettings | None
-    plan: StrategyPlan
-    minimum_peak_bytes: int
-    fixed_bytes: int
-    batch_fraction: float | None
-    steps_planned: int
-
-    def __str__(self) -> str:
-        options = self.options
-        if options is None:
-            scale = ""
-            if self.batch_fraction == 0:
-                scale = "; those alone exceed the budget, whatever the batch"
-            elif self.batch_fraction is not None:
-                scale = (
-                    f"; about {self.batch_fraction:.2f}x the example batch would fit "
-                    "(activations taken as proportional to the batch)"
-                )
-            return (
-                f"nothing fits {_gib(self.budget_bytes)}: the most frugal options peak at "
-                f"{_gib(self.minimum_peak_bytes)}, of which "
-                f"{_gib(self.fixed_bytes)} are parameters and gradients{scale}"
-            )
-        what = f"{self.plan.link_bytes / 1e9:.2f} GB over the link per step"
-        if not self.plan.link_bytes:
-            what = "no offloading needed (torch's checkpoint fits)"
-        return (
-            f"fits {_gib(self.budget_bytes)} with stash_bytes={options.stash_bytes}, "
-            f"prefetch={options.prefetch}, min_offload_bytes={options.min_offload_bytes}: peak "
-            f"{_gib(self.plan.peak_bytes)}, {what}"
-        )
-
-
-def _threshold_classes(saves: tuple[SavedInput, ...], current: int) -> list[int]:
-    """Candidate ``min_offload_bytes``, one per distinct set of inputs kept on the device.
-
-    Thresholds between two size classes keep the same inputs and plan the same step, so each
-    class is tried once: with the current value if it falls in the class, else with a round
-    value: any value above the kept size and at most the moved one plans the same step, and
-    the smallest power of two above the kept size reads best (1 when nothing is kept), else
-    the size of the smallest input moved.
-    """
-    sizes = sorted({save.nbytes for save in saves if save.fate in _OFFLOADABLE})
-    # A class's values lie above the kept size and at most the moved one (``sys.maxsize``:
-    # nothing is moved above the largest input).
-    classes = [
-        current if kept < current <= moved else min(1 << kept.bit_length(), moved)
-        for kept, moved in zip([0, *sizes], [*sizes, sys.maxsize], strict=True)
-    ]
-    if len(classes) > _MAX_THRESHOLDS:
-        step = (len(classes) - 1) / (_MAX_THRESHOLDS - 1)
-        classes = sorted({classes[round(i * step)] for i in range(_MAX_THRESHOLDS)})
-    return classes
-
-
-def recommend(
-    base: OffloadSettings, replan: Callable[[OffloadSettings], Planned], budget_bytes: int
-) -> Recommendation:
-    """Search offload options for ``budget_bytes``; see :class:`Recommendation`.
-
-    Args:
-        base: The options planned; the search changes three of them.
-        replan: Plans the matepoint step with other options.
-        budget_bytes: Device bytes the step may use.
-
-    Returns:
-        The recommendation.
-    """
-
-    evaluate = cache(replan)
-
-    def options(min_offload: int, stash: int, prefetch: int) -> OffloadSettings:
-        return dataclasses.replace(
-            base, min_offload_bytes=min_offload, stash_bytes=stash, prefetch=prefetch
-        )
-
-    def peak(min_offload: int, stash: int) -> int:
-        return evaluate(options(min_offload, stash, prefetch))[0].peak_bytes
-
-    frugal, saves = evaluate(options(1, 0, base.prefetch))
-    thresholds = _threshold_classes(saves, base.min_offload_bytes)
-    fixed = 2 * frugal.parameter_bytes
-    # The first class keeps the same inputs as 1 (none): the same step, so it is planned with 1.
-    for prefetch in range(base.prefetch, -1, -1):
-        frugal = evaluate(options(1, 0, prefetch))[0]
-        if frugal.peak_bytes <= budget_bytes:
-            break
-    else:
-        activations = frugal.peak_bytes - fixed
-        fraction = max(0.0, (budget_bytes - fixed) / activations) if activations > 0 else None
-        runs = evaluate.cache_info().misses
-        return Recommendation(
-            budget_bytes, False, None, frugal, frugal.peak_bytes, fixed, fraction, runs
-        )
-
-    candidates: list[tuple[StrategyPlan, OffloadSettings]] = []
-    for threshold in thresholds:
-        planned = 1 if threshold == thresholds[0] else threshold
-        first, saves = evaluate(options(planned, 0, prefetch))
-        if first.peak_bytes > budget_bytes:
-            break  # larger thresholds keep more on the device
-        offloaded = [save.nbytes for save in saves if save.fate == "offloaded"]
-        # The newest input is always held; the stash counts the ones before it, newest first.
-        levels = [0, *accumulate(reversed(offloaded[:-1]))]
-        # The largest stash that fits: peaks grow with the stash, and the first level fits.
-        fitting = bisect.bisect_right(levels, budget_bytes, lo=1, key=partial(peak, planned))
-        stash = levels[fitting - 1]
-        candidates.append(
-            (evaluate(options(planned, stash, prefetch))[0], options(threshold, stash, prefetch))
-        )
-    best, best_options = min(candidates, key=lambda pair: (pair[0].link_bytes, pair[0].peak_bytes))
-    runs = evaluate.cache_info().misses
-    return Recommendation(
-        budget_bytes, True, best_options, best, frugal.peak_bytes, fixed, None, runs
-    )

@@ -1,18 +1,19 @@
 """Run one training step on the meta device under one strategy, and report what it held.
 
 The step is the user's own code: ``matepoint.checkpoint`` runs as always, with a planning scope
-on the thread (see Note [Planning scope] in ``matepoint._registry``) that sends its saved inputs
-to the planner's own engine and, for the no-checkpoint strategy, runs each checkpointed function
-directly.
+on the thread (see Note [Planning scope] in ``matepoint._engine.planning_scope``) that sends its
+saved inputs to the planner's own engine and, for the no-checkpoint strategy, runs each
+checkpointed function directly.
 
 Note [Planner fidelity]
     The planner predicts what matepoint does by running the code that does it: the checkpoint,
-    ``matepoint._saving.pack``'s keep rules and :class:`~matepoint._engine.ChannelEngine` (dedupe,
-    the stash, release of originals, fetches and look-ahead in backward, the exact-size
-    :class:`~matepoint._pool.PinnedPool`), attached through the planning scope. Only the channel
-    differs: :class:`MetaChannel` copies nothing. Its copies have finished when they are queued
-    (a copy back is an empty meta tensor, which the memory tracker counts), its host blocks are
-    meta tensors the tracker does not count, and it names memory by storage, since every meta
+    ``matepoint._engine.saving.pack``'s keep rules and
+    :class:`~matepoint._engine.channel_engine.ChannelEngine` (dedupe, the stash, release of
+    originals, fetches and look-ahead in backward, the exact-size
+    :class:`~matepoint._engine.pool.PinnedPool`), attached through the planning scope. Only the
+    channel differs: :class:`MetaChannel` copies nothing. Its copies have finished when they are
+    queued (a copy back is an empty meta tensor, which the memory tracker counts), its host
+    blocks are meta tensors the tracker does not count, and it names memory by storage, since every meta
     tensor's ``data_ptr`` is 0. So one assumption differs from a GPU: a copy to the host has
     finished by the next offload (a released original is freed at once, never held by a copy
     still running), which holds whenever the link keeps up with compute.
@@ -31,13 +32,14 @@ from typing import Any, cast
 import torch
 
 import matepoint_compat as compat
-from matepoint._engine import ChannelEngine
+from matepoint._engine.channel_engine import ChannelEngine
+from matepoint._engine.planning_scope import planning_scope
+from matepoint._engine.saving import KeepReason, count_kept
+from matepoint._engine.transport import Channel
 from matepoint._options import OffloadSettings, ResolvedOptions
-from matepoint._plan_kernels import CudaKernels
-from matepoint._plan_trace import PHASES, MemoryTracker
-from matepoint._registry import planning_scope
-from matepoint._saving import KeepReason, count_kept
-from matepoint._transport import Channel
+from matepoint._planner.kernels import CudaKernels
+from matepoint._planner.time_model import compute_seconds, link_seconds
+from matepoint._planner.trace import PHASES, MemoryTracker
 
 __all__ = ["Planned", "SavedInput", "StrategyPlan", "TimelinePoint", "run_step"]
 
@@ -207,7 +209,7 @@ class MetaChannel:
 
 
 class PlannedStep:
-    """One planned step's :class:`matepoint._registry.Planning`: its engine, options and saves.
+    """One planned step's ``Planning`` (``matepoint._engine.planning_scope``): engine, saves.
 
     Args:
         strategy: ``"matepoint"`` offloads; ``"torch"`` checkpoints without offloading;
@@ -368,10 +370,10 @@ def run_step(
         bytes_to_device=to_device,
         forward_flops=forward_flops,
         backward_flops=backward_flops,
-        to_host_seconds=to_host / link_bandwidth,
-        to_device_seconds=to_device / link_bandwidth,
-        forward_seconds=forward_flops / peak_flops,
-        backward_seconds=backward_flops / peak_flops,
+        to_host_seconds=link_seconds(to_host, link_bandwidth),
+        to_device_seconds=link_seconds(to_device, link_bandwidth),
+        forward_seconds=compute_seconds(forward_flops, peak_flops),
+        backward_seconds=compute_seconds(backward_flops, peak_flops),
         counters=counters,
         pool_would_raise=planned.raise_policy and engine.pool.pageable_fallbacks > 0,
         timeline=timeline,

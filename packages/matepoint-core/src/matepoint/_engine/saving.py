@@ -13,11 +13,13 @@ from typing import Any, Literal
 
 import torch
 
-from matepoint._engine import Record
+from matepoint._engine.active_transport import transport
+from matepoint._engine.channel_engine import Record
+from matepoint._engine.engines import engine_of
+from matepoint._engine.planning_scope import planning
+from matepoint._engine.stats import Counters
 from matepoint._errors import inplace_error
 from matepoint._options import ResolvedOptions
-from matepoint._registry import engine_of, planning, transport
-from matepoint._stats import Counters
 
 __all__ = [
     "KeepReason",
@@ -151,7 +153,7 @@ def pack(tensor: torch.Tensor, options: ResolvedOptions) -> Record | KeptTensor:
     Returns:
         The object autograd keeps in place of the tensor.
     """
-    plan = planning()  # See Note [Planning scope] in matepoint._registry.
+    plan = planning()  # See Note [Planning scope] in matepoint._engine.planning_scope.
     active = transport() if plan is None else plan.engine.transport
     reason = stay_reason(tensor, options.min_offload_bytes, active.channel_key)
     if reason is None:

@@ -44,31 +44,9 @@ from typing import Any, Protocol
 import torch
 
 import matepoint_compat as compat
+from matepoint._side_stream_delay import side_stream_delay
 
-__all__ = ["Channel", "CudaTransport", "Transport", "set_side_stream_delay", "side_stream_delay"]
-
-_side_stream_delay = 0
-
-
-def side_stream_delay() -> int:
-    """Return the test delay, in GPU cycles, queued on the side stream before each copy."""
-    return _side_stream_delay
-
-
-def set_side_stream_delay(cycles: int) -> None:
-    """Set the test delay (``matepoint.testing.delay_side_stream`` is the public way).
-
-    The delay belongs to the transport, not to a call's options: the CUDA channel reads it at
-    each copy, so a race probe acts on every copy while it is set.
-
-    Raises:
-        ValueError: If ``cycles`` is not an ``int >= 0`` (a ``bool`` is refused).
-    """
-    global _side_stream_delay
-    value: object = cycles  # checked as any object: callers may pass anything
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"delay_side_stream.cycles must be an int >= 0, got {value!r}")
-    _side_stream_delay = value
+__all__ = ["Channel", "CudaTransport", "Transport"]
 
 
 class Channel(Protocol):
@@ -183,12 +161,12 @@ class _CudaChannel:
     def copy_out(self, source: torch.Tensor, host: torch.Tensor, compute: Any) -> Any:
         self._compute_done.record(compute)
         self.side_stream.wait_event(self._compute_done)
-        compat.delay_stream(self.side_stream, _side_stream_delay)
+        compat.delay_stream(self.side_stream, side_stream_delay())
         self._on_side_stream(compute, lambda: host.copy_(source, non_blocking=True))
         return self.side_stream.record_event()
 
     def copy_in(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        compat.delay_stream(self.side_stream, _side_stream_delay)
+        compat.delay_stream(self.side_stream, side_stream_delay())
         # ``to`` allocates a dense host's exact strides (``empty_strided``), then copies.
         target = self._on_side_stream(
             self.current_compute(), lambda: host.to(self.device, non_blocking=True)

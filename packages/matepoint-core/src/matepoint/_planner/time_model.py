@@ -1,4 +1,9 @@
-"""A short measurement of the real device for the budget plan's time model, cached on disk.
+"""The planner's time model: the device's rates, the step-time estimate, and calibration.
+
+Every time the planner reports or a budget search compares comes from here: compute is FLOPs at
+``DeviceModel.peak_flops``, link time is bytes at its bandwidths, and the selective-checkpoint
+policy's host cost is ops times ``policy_seconds_per_op``. The defaults are an H200's; a
+calibration (:func:`calibrate`) measures the device itself, cached on disk.
 
 The default :class:`~matepoint.DeviceModel` holds an H200's published peak and the link
 bandwidth measured on one H200 host. Real matrix rates are lower than the peak, hosts differ in
@@ -17,15 +22,97 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint_compat as compat
-from matepoint._budget_profile import DeviceModel
 
-__all__ = ["cached_model", "calibrate"]
+__all__ = [
+    "DEFAULT_LINK_BANDWIDTH",
+    "DEFAULT_PEAK_FLOPS",
+    "DEFAULT_POLICY_SECONDS_PER_OP",
+    "DeviceModel",
+    "StepFigures",
+    "cached_model",
+    "calibrate",
+    "compute_seconds",
+    "link_seconds",
+    "step_seconds",
+]
+
+# Bytes per second each way: pinned copies measured on an H200 host (PCIe 5).
+DEFAULT_LINK_BANDWIDTH = 55e9
+# FLOP/s: dense bf16 peak of an H100 / H200.
+DEFAULT_PEAK_FLOPS = 989e12
+# Host seconds a selective-checkpoint policy adds to one op (torch dispatches every op of a
+# region through a Python mode); docs/budget.md has the measurements behind it.
+DEFAULT_POLICY_SECONDS_PER_OP = 10e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceModel:
+    """The device a plan's times are estimated for: peak rates, no measurement needed.
+
+    Attributes:
+        peak_flops: Dense matrix FLOP/s (bf16 on an H100/H200 by default).
+        to_host_bandwidth: Device-to-host link bytes per second.
+        to_device_bandwidth: Host-to-device link bytes per second.
+        policy_seconds_per_op: Host time a selective-checkpoint policy adds to one op (torch
+            dispatches every op of a region through a Python mode, in forward and again in the
+            recomputation). On an H200 host with torch 2.11, torch's own selective peers were
+            slower than plain checkpointing on a 16-block stack of width 2048 for this reason.
+    """
+
+    peak_flops: float = DEFAULT_PEAK_FLOPS
+    to_host_bandwidth: float = DEFAULT_LINK_BANDWIDTH
+    to_device_bandwidth: float = DEFAULT_LINK_BANDWIDTH
+    policy_seconds_per_op: float = DEFAULT_POLICY_SECONDS_PER_OP
+
+
+class StepFigures(Protocol):
+    """What the step-time estimate reads of a planned step (a ``StrategyPlan``)."""
+
+    @property
+    def forward_flops(self) -> int: ...
+    @property
+    def backward_flops(self) -> int: ...
+    @property
+    def bytes_to_host(self) -> int: ...
+    @property
+    def bytes_to_device(self) -> int: ...
+
+
+def compute_seconds(flops: int, peak_flops: float) -> float:
+    """Estimate compute time: ``flops`` at ``peak_flops`` FLOP/s."""
+    return flops / peak_flops
+
+
+def link_seconds(nbytes: int, bandwidth: float) -> float:
+    """Estimate a transfer's time: ``nbytes`` at ``bandwidth`` bytes per second."""
+    return nbytes / bandwidth
+
+
+def step_seconds(
+    strategy_plan: StepFigures, device: DeviceModel, prefetch: int, policy_ops: int = 0
+) -> float:
+    """Estimate a planned step's time: compute, plus link time the compute cannot hide.
+
+    Compute is the step's FLOPs at ``device.peak_flops`` (recomputation included, so what is
+    kept or offloaded shortens backward). Copies to the host overlap forward and copies back
+    overlap backward; what they take beyond that is added. Without look-ahead every copy back
+    is waited for. ``policy_ops`` ops pass through a selective-checkpoint policy (torch runs
+    it in Python for every op of a region, in forward and again in the recomputation), each
+    costing ``device.policy_seconds_per_op``.
+    """
+    forward = compute_seconds(strategy_plan.forward_flops, device.peak_flops)
+    backward = compute_seconds(strategy_plan.backward_flops, device.peak_flops)
+    to_host = link_seconds(strategy_plan.bytes_to_host, device.to_host_bandwidth)
+    to_device = link_seconds(strategy_plan.bytes_to_device, device.to_device_bandwidth)
+    hidden_back = 0.0 if prefetch == 0 else backward
+    exposed = max(0.0, to_host - forward) + max(0.0, to_device - hidden_back)
+    return forward + backward + exposed + policy_ops * device.policy_seconds_per_op
 
 
 def _seconds(device: torch.device, work: Callable[[], object]) -> float:
@@ -72,14 +159,11 @@ def _measure(device: torch.device) -> DeviceModel:
         a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
         matmul = _seconds(device, lambda: a @ a)
         source = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-        target = torch.empty_like(source)
-        copy = _seconds(device, lambda: target.copy_(source))
         pinned = compat.allocate_pinned(source.numel())
         to_host = _seconds(device, lambda: pinned.copy_(source, non_blocking=True))
         to_device = _seconds(device, lambda: source.copy_(pinned, non_blocking=True))
         return DeviceModel(
             peak_flops=2 * a.shape[0] ** 3 / matmul,
-            memory_bandwidth=2 * source.numel() / copy,
             to_host_bandwidth=source.numel() / to_host,
             to_device_bandwidth=source.numel() / to_device,
             policy_seconds_per_op=_policy_seconds_per_op(),

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from matepoint._engine.stats import OffloadStats
+from matepoint._engine.transport import Channel
 from matepoint._errors import PinnedMemoryExhausted
 from matepoint._options import ResolvedOptions
-from matepoint._stats import OffloadStats
-from matepoint._transport import Channel
 
 __all__ = ["HostBlock", "PinnedPool"]
 

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import register_flop_formula
 
 import matepoint_compat as compat
-from matepoint._plan_trace import MemoryTracker, round_up
+from matepoint._planner.trace import MemoryTracker, round_up
 
 __all__ = ["CudaKernels"]
 

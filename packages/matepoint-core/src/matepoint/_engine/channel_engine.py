@@ -1,8 +1,9 @@
 """The offload engine of one device channel: where each checkpoint input lives until backward.
 
 One ``ChannelEngine`` per device (per transport channel) owns that device's records, its held
-originals (stash and copies in flight), its pinned pool and its counters. ``matepoint._saving``
-hands it the saved inputs that move; ``matepoint._registry`` keeps one per channel.
+originals (stash and copies in flight), its pinned pool and its counters.
+``matepoint._engine.saving`` hands it the saved inputs that move; ``matepoint._engine.engines``
+keeps one per channel.
 
 A :class:`Record` is what the engine knows about one offloaded tensor. It is the object
 matepoint's pack hook returns to autograd, so autograd owns its lifetime: it dies with the graph
@@ -39,11 +40,11 @@ from typing import Any
 import torch
 
 import matepoint_compat as compat
+from matepoint._engine.pool import HostBlock, PinnedPool
+from matepoint._engine.stats import Counters
+from matepoint._engine.transport import Channel, Transport
 from matepoint._errors import inplace_error
 from matepoint._options import OffloadSettings, ResolvedOptions
-from matepoint._pool import HostBlock, PinnedPool
-from matepoint._stats import Counters
-from matepoint._transport import Channel, Transport
 
 __all__ = ["ChannelEngine", "Record"]
 

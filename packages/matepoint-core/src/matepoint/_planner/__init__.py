@@ -1,0 +1,12 @@
+"""The planner: a training step's memory, traffic and time, on the meta device, before a GPU.
+
+- ``trace`` and ``kernels``: the memory tracker and the CUDA kernels' allocations, on meta.
+- ``step``: one planned step under a strategy, running the engine over a channel that moves
+  nothing (Note [Planning scope] in ``matepoint._engine.planning_scope``).
+- ``op_kinds``: what each checkpointed region computes, by kind of op.
+- ``time_model``: the device's rates, the step-time estimate and calibration.
+- ``policy``: a budget plan's selective-checkpoint policy, per region.
+- ``decision``, ``search`` and ``budget_plan``: the budget search's rule, its loop, and its
+  answer.
+- ``recommend`` and ``memory_plan``: the options search and ``matepoint.plan``.
+"""
