@@ -13,10 +13,10 @@ Note [Planner fidelity]
     :class:`~matepoint._engine.pool.PinnedPool`), attached through the planning scope. Only the
     channel differs: :class:`MetaChannel` copies nothing. Its copies have finished when they are
     queued (a copy back is an empty meta tensor, which the memory tracker counts), its host
-    blocks are meta tensors the tracker does not count, and it names memory by storage, since every meta
-    tensor's ``data_ptr`` is 0. So one assumption differs from a GPU: a copy to the host has
-    finished by the next offload (a released original is freed at once, never held by a copy
-    still running), which holds whenever the link keeps up with compute.
+    blocks are meta tensors the tracker does not count, and it names memory by storage, since
+    every meta tensor's ``data_ptr`` is 0. So one assumption differs from a GPU: a copy to the
+    host has finished by the next offload (a released original is freed at once, never held by a
+    copy still running), which holds whenever the link keeps up with compute.
     ``tests/test_plan_conformance.py`` runs the CPU test transport and the planner on the same
     models and compares every counter.
 """
