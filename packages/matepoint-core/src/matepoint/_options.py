@@ -1,14 +1,16 @@
 """Offload options: what a call may choose, over settings that belong to each device.
 
 Note [Options and settings]
-    A checkpoint call chooses only what can differ from one call to the next
-    (:class:`OffloadOptions`: on or off, pipelined or not, the minimum size to move). Everything
-    that shapes a device's shared resources (the pinned pool's cap and policy, the stash, the
-    in-flight bound, the look-ahead, wait timing) is set in one place, :func:`configure` or
-    :func:`options`, as :class:`OffloadSettings`, and applies to every call alike. A call's
-    unset fields take the settings in force when it runs. The call resolves both once, into a
-    frozen :class:`ResolvedOptions`, which governs that call's forward and its backward, so
-    changing the settings mid-step never changes a checkpoint already taken.
+    Rule 1. A checkpoint call chooses only what may differ from call to call
+            (:class:`OffloadOptions`: on or off, pipelined or not, the minimum size to move).
+    Rule 2. What shapes a device's shared resources (the pinned pool's cap and policy, the
+            stash, the in-flight bound, the look-ahead, wait timing) is one
+            :class:`OffloadSettings` for every call, set by :func:`configure` or :func:`options`.
+    Rule 3. A call's unset fields take the settings in force when it runs; both resolve once
+            into a frozen :class:`ResolvedOptions`, which governs that call's forward and its
+            backward, whatever the settings do meanwhile.
+    Example: ``configure(prefetch=4)`` between a forward and its backward leaves that backward's
+    look-ahead as its forward saw it (rule 3); the next forward's calls use 4.
 """
 
 from __future__ import annotations
@@ -218,13 +220,16 @@ class OffloadOptions:
 
 
 # Note [Settings layers]
-#     The settings in force are the base (what configure() set) with every open options() block
-#     laid over it, in the order the blocks were entered. Leaving a block removes its own layer
-#     and nothing else, so blocks that overlap in two threads (A enters, B enters, A leaves, B
-#     leaves) each undo exactly their own fields, whatever the order they leave in. configure()
-#     changes the base for good and wins over open blocks for the fields it names (they no
-#     longer restore those). The settings object in force is rebuilt only when a layer or the
-#     base changes, so get_options() returns the same object while nothing changes.
+#     Rule 1. The settings in force are the base (what configure() set) with every open
+#             options() block laid over it, in the order the blocks were entered.
+#     Rule 2. Leaving a block removes its own layer and nothing else, so blocks that overlap in
+#             several threads each undo exactly their own fields, in whatever order they leave.
+#     Rule 3. configure() changes the base for good and wins over open blocks for the fields it
+#             names (they no longer restore those).
+#     Rule 4. The settings object is rebuilt only when a layer or the base changes: get_options()
+#             returns the same object while nothing changes.
+#     Example: A enters options(prefetch=4), B enters options(stash_bytes=0), A leaves: the base
+#     with stash_bytes=0 is in force until B leaves (rules 1, 2).
 _lock = threading.Lock()
 _base = OffloadSettings()
 _layers: list[dict[str, Any]] = []
@@ -292,7 +297,7 @@ def configure(**fields: Any) -> OffloadSettings:
     """Change the process-wide offload settings; fields not named keep their value.
 
     The change is for good: it also wins over an open :func:`options` block that set the same
-    field (that block no longer restores it). See Note [Settings layers].
+    field (that block no longer restores it). See Note [Settings layers], rule 3.
 
     Args:
         **fields: Any fields of :class:`OffloadSettings`.
@@ -326,7 +331,7 @@ def options(**fields: Any) -> Iterator[OffloadSettings]:
     They are restored also when the block raises. The settings are process-wide, not per
     thread: other threads see the change while the block runs. Leaving the block undoes only
     its own fields, so blocks in several threads may overlap and end in any order (see
-    Note [Settings layers]). Each checkpoint call resolves its options in forward, so a
+    Note [Settings layers], rule 2). Each checkpoint call resolves its options in forward, so a
     backward after the block still uses what its forward saw.
 
     Args:

@@ -6,25 +6,44 @@ originals (stash and copies in flight), its pinned pool and its counters.
 keeps one per channel.
 
 A :class:`Record` is what the engine knows about one offloaded tensor. It is the object
-matepoint's pack hook returns to autograd, so autograd owns its lifetime: it dies with the graph
-(after backward, or when the graph is dropped), and its death returns the host block. See Note
-[Record lifetime].
-
-Note [Weak record tables]
-    The engine looks records up by pack sequence (``_records``) and by dedupe key (``_by_key``)
-    in ``WeakValueDictionary`` objects, so a record autograd drops leaves them by itself, without
-    taking the engine lock (See Note [Record lifetime]). The engine never iterates over those
-    two: a record dying on another thread (autograd's device threads) could change them under
-    the iteration. What it iterates, the held originals and the shared records, are plain lists
-    of weak references, changed only under the lock, whose dead entries it drops itself.
+matepoint's pack hook returns to autograd, so it dies with the graph (after backward, or when the
+graph is dropped), and its death returns the host block.
 
 Note [Record lifetime]
-    Records are referenced strongly only by autograd (and by another checkpoint that shares the
-    tensor, see dedupe in the engine). The engine refers to them through weak references, so a
-    dropped graph frees everything without any call from the user. A dying record must not take
-    the engine lock (it may die inside a locked section, through garbage collection), so
-    ``__del__`` only appends to the channel's graveyard, a deque whose append is atomic; the
-    engine settles the graveyard at its next operation and when stats are read.
+    Rule 1. Only what autograd keeps with the graph holds a record strongly (a saved value per
+            checkpoint that saved it, Note [Shared records]; or a selective policy's storage
+            entry); the engine refers to it weakly, so a dropped graph frees everything without
+            a call from the user.
+    Rule 2. A dying record takes no lock (it may die inside a locked section, through garbage
+            collection): ``__del__`` only hands over its device original, if any (Note [Stream
+            ordering], rule 2), and appends its host block to the channel's graveyard, a deque
+            whose append is atomic.
+    Rule 3. The engine settles the graveyard (the blocks go back to the pool) at its next
+            operation and when stats are read.
+
+Note [Weak record tables]
+    Rule 1. The engine looks records up by pack sequence (``_records``) and by dedupe key
+            (``_by_key``) in ``WeakValueDictionary`` objects, which a dead record leaves by
+            itself, without the engine lock (Note [Record lifetime], rule 2).
+    Rule 2. It never iterates over those two: a record dying on another thread (autograd's
+            device threads) could change them under the iteration.
+    Rule 3. What it iterates (held originals, shared records) are plain lists of weak
+            references, changed only under the lock, whose dead entries it drops itself.
+
+Note [Shared records]
+    Rule 1. A record saved by N checkpoints (dedupe: same memory, layout, dtype and version) is
+            unpacked N times per backward pass but crosses the link once each way per step: the
+            first unpack's device copy (``fetched``) serves the other N-1, then is let go.
+    Rule 2. It is prefetched by its latest use (``last_use``, the pack sequence of the newest
+            checkpoint that saved it), where backward first needs it: when ``last_use`` falls in
+            the look-ahead window that ends at the record being unpacked. Its pack position,
+            long before, is reached too late.
+    Rule 3. Only its last unpack of a pass starts the pack-order look-ahead: the earlier ones
+            happen at other checkpoints' positions, which say nothing of what backward needs
+            next.
+    Example: a GPT's x0, passed to all 12 blocks, is offloaded once (block 1's pack). Backward
+    prefetches it near block 12 (rule 2), block 12's unpack keeps the copy for blocks 11 to 1,
+    and block 1's unpack, the last, lets it go and looks ahead from block 1 (rules 1, 3).
 """
 
 from __future__ import annotations
@@ -127,7 +146,7 @@ class Record(_WeakReferable):
         self.nbytes = self.block.nbytes
 
     def __del__(self) -> None:
-        # See Note [Record lifetime]: no locks here.
+        # See Note [Record lifetime], rule 2: no locks here.
         if self.device_tensor is not None:
             copying = self.copy_event is not None
             self.owner.channel.release_original(self.device_tensor, self.compute, copying)
@@ -231,11 +250,10 @@ class ChannelEngine:
         """Release a record's device original; return False if the engine must keep watching it.
 
         An original whose copy has finished is dropped after a last version check. One whose
-        copy is still running is handed to the caching allocator (``record_stream`` on the side
-        stream, see Note [Stream ordering]) if matepoint held the last reference, so its memory is
-        reused as soon as the copy ends, without waiting for this host to notice. If something
-        else still references it, it could still be modified in place under the copy, so the
-        engine keeps watching it until the copy has finished and its version can be checked.
+        copy is still running is handed to the caching allocator if matepoint held the last
+        reference, so its memory is reused as soon as the copy ends, without waiting for this
+        host to notice; one referenced elsewhere is watched until its version can be checked
+        (Note [Stream ordering], rule 2).
         """
         event = record.copy_event
         copying = event is not None and not self.channel.is_complete(event)
@@ -275,8 +293,9 @@ class ChannelEngine:
             self._settle_graveyard()
             record.unpacks += 1
             original = record.original()
-            # See Note [Version witness]: the witness sees writes through every alias (base,
-            # other views, the parameter a view was taken from), also after the original died.
+            # See Note [Version witness], rule 3: the witness sees writes through every alias
+            # (base, other views, the parameter a view was taken from), also after the original
+            # died.
             current = record.witness._version
             if record.modified or current != record.version:
                 current = max(current, record.version + 1)
@@ -311,9 +330,7 @@ class ChannelEngine:
                 if token is not None:
                     self._timings.append(token)
                     self._resolve_timings(block=True, keep=_TIMING_BACKLOG)
-            # Note [Shared records]: a record saved by N checkpoints is unpacked N times per
-            # backward pass. The first unpack's device copy is kept for the other N-1, then let go,
-            # so the tensor crosses the link once each way per step.
+            # See Note [Shared records], rule 1.
             shared_unpacks_left = record.unpacks % record.packs != 0
             record.fetched = result if shared_unpacks_left and original is None else None
             if record.pipelined and options.prefetch > 0:
@@ -323,13 +340,8 @@ class ChannelEngine:
     def _prefetch_before(self, record: Record, options: OffloadSettings) -> None:
         """Start copying back what backward needs next: shared records first, then look-ahead.
 
-        See Note [Shared records]. A record several checkpoints share (the embedding every block
-        of a GPT mixes in) was packed long before the checkpoints that use it last, which are
-        the ones backward reaches first, so the pack-order look-ahead never reaches it in time.
-        Its latest use (``last_use``, the pack sequence of the newest checkpoint that saved it)
-        is where backward first needs it: it is prefetched when that falls in the look-ahead
-        window that ends at ``record``, the one being unpacked. Later in the pass ``last_use``
-        lies above the window, and ``record`` itself has just been served.
+        See Note [Shared records], rules 2 and 3. Later in the pass a shared record's
+        ``last_use`` lies above the window, and ``record`` itself has just been served.
         """
         index = bisect.bisect_left(self._order, record.sequence)
         window_start = self._order[max(index - options.prefetch, 0)]
@@ -341,8 +353,7 @@ class ChannelEngine:
             and candidate.pipelined
             and window_start <= candidate.last_use <= record.sequence
         )
-        # A shared record used by a later checkpoint: its pack position says nothing about what
-        # backward needs next.
+        # See Note [Shared records], rule 3.
         if not record.unpacks % record.packs:
             self._prefetch_scan(index - 1, record.unpacks // record.packs, options)
 

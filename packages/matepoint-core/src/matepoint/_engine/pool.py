@@ -60,7 +60,7 @@ class PinnedPool:
             nbytes: Size of the block.
             options: The call's options: pool cap and exhaustion policy, and ``pipelined``
                 (copies on the side stream are ordered after the block's previous copy without a
-                wait; a synchronous copy waits for it). See Note [Stream ordering].
+                wait; a synchronous copy waits for it). See Note [Stream ordering], rule 6.
 
         Returns:
             The block; give it back with :meth:`give_back`.

@@ -5,34 +5,30 @@ bytes and orders streams. The CUDA transport is the real one; ``matepoint.testin
 treats CPU tensors as device tensors, so the bookkeeping runs in CI without a GPU.
 
 Note [Stream ordering]
-    Every copy runs on the device's side stream, never on the compute stream, and is ordered by
-    events, never by a host-side synchronize:
-
-    - copy out (forward): the side stream waits on an event recorded on the compute stream at
-      pack time, so it reads the input after the kernels that produced it. While its copy may
-      still run, the device original is either referenced by the engine or handed to the
-      caching allocator with ``record_stream(side)``, so its memory is never reused under the
-      copy. The engine hands it over only when nothing else references it (then nothing can
-      write it in place either); an original referenced elsewhere stays watched until the copy's
-      event has completed and its version is checked, so an in-place write that raced the copy
-      is caught, never used. A graph that dies mid-copy hands its originals over the same way.
-    - user streams: the checkpointed function may read an input on a stream other than the one
-      that allocated it (the user ordered the streams; torch's checkpoint then keeps the input
-      alive until backward, which hides the missing ``record_stream``). Whenever the engine lets
-      an original go, it is marked ``record_stream(compute)`` for the compute stream current at
-      pack time, so its memory is not reused before that stream's queued reads are done. For a
-      tensor allocated on that same stream the allocator ignores the mark.
-    - copy in (backward): the destination is allocated from the side stream's pool, so no compute
-      kernel can still be using that memory, and the copy starts at once. Before the compute
-      stream reads it, the compute stream waits on the copy's event, and the tensor is marked
-      ``record_stream(compute)`` so the allocator does not reuse it before compute is done.
-    - one ``compute_done`` event per channel is re-recorded for every copy out: a stream's wait
-      on an event waits for the event's most recent record at the time of the wait call, so
-      re-recording it later never changes a wait already queued.
-    - host blocks are written and read only by the one side stream of their device, so a block
-      returned to the pool can be reused by the next copy without a wait: the stream orders them.
-      Synchronous copies (``pipeline=False``) on the compute stream first wait on the block's last
-      side-stream event.
+    Copies run on the device's side stream, ordered by events, never by a host synchronize.
+    Rule 1. Copy out (forward): the side stream waits on an event recorded on the compute stream
+            at pack time, so it reads the input after the kernels that produced it.
+    Rule 2. While its copy out may still run, a device original stays referenced by the engine,
+            or, when nothing else references it (so nothing can write it), goes to the allocator
+            with ``record_stream(side)``. One referenced elsewhere stays watched until its copy
+            has completed and its version is checked, so a write that raced the copy raises. A
+            graph that dies mid-copy hands its originals over the same way.
+    Rule 3. An original let go is also marked ``record_stream(compute)`` for the compute stream
+            of its pack: the checkpointed function may read it on a stream other than the one
+            that allocated it (torch's checkpoint, holding inputs until backward, hides that).
+    Rule 4. Copy in (backward): the destination comes from the side stream's memory, so no
+            compute kernel still uses it and the copy starts at once; the compute stream waits
+            on the copy's event before reading it, and marks it ``record_stream(compute)``.
+    Rule 5. One ``compute_done`` event per channel is re-recorded for every copy out: a wait
+            binds to the event's most recent record when queued, so re-recording it later never
+            changes a wait already queued.
+    Rule 6. A host block is used only by its device's one side stream, so a block back in the
+            pool is reused by the next copy without a wait; a synchronous copy
+            (``pipeline=False``, on the compute stream) first waits on its last side-stream
+            event.
+    Example: block i's input x_i is copied after compute's ``compute_done`` (rules 1, 5); when
+    the engine lets it go mid-copy, ``record_stream`` on both streams keeps its memory until
+    the copy and block i's reads are done (rules 2, 3).
 """
 
 from __future__ import annotations
@@ -96,7 +92,7 @@ class Channel(Protocol):
         ``compute`` is the stream its checkpoint ran on (:meth:`current_compute` at pack time),
         which may differ from the stream the tensor was allocated on. With ``copying`` (its copy
         out may still run) the side stream's queued work must be done too. See Note [Stream
-        ordering]. Allocator lifetime only.
+        ordering], rules 2 and 3. Allocator lifetime only.
         """
 
     def is_complete(self, event: Any) -> bool:
