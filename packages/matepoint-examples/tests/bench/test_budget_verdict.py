@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from matepoint_examples.bench._budget_report import plot_frontier, print_report, verdicts
+from matepoint_examples.bench._budget_report import (
+    HOST_BOUND_FRACTION,
+    host_fields,
+    plot_frontier,
+    print_report,
+    verdicts,
+)
 
 GIB = 1 << 30
 
@@ -164,3 +170,72 @@ def test_a_twin_is_no_peer_and_its_ratio_stands_beside_the_plans(
         {"workload": "llama16", "rounds": 3, "device": "a GPU", "plans": plans, "rows": rows}
     )
     assert "; its twin: 0.980" in capsys.readouterr().out.splitlines()[-1]
+
+
+def _host_bound_report(host_share: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A plan tied with torch's every-matmul policy, both issuing ``host_share`` of their step."""
+    times = {
+        "torch": [1.00, 1.02, 0.98],
+        "sac-every-matmul": [0.90, 0.95, 0.91],
+        "budget@mid": [0.91, 0.94, 0.91],
+    }
+    host_times = {
+        name: [seconds * share for seconds in steps]
+        for (name, steps), share in zip(times.items(), (0.6, host_share, host_share), strict=True)
+    }
+    peaks = dict.fromkeys(times, 13 * GIB)
+    plans: dict[str, Any] = _plans(14.45, 13.0)
+    verdict = verdicts(plans, times, peaks, {}, host_times)["budget@mid"]
+    plans["budget@mid"]["verdict"] = verdict
+    rows = {name: {"peak_bytes": peaks[name], "planned_peak_bytes": None} for name in times}
+    report = {"workload": "llama16", "rounds": 3, "device": "a GPU", "plans": plans, "rows": rows}
+    return verdict, report
+
+
+def test_a_plan_whose_host_time_is_its_step_time_is_called_host_bound(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    verdict, report = _host_bound_report(0.98)
+    assert verdict["standing"] == "tied"
+    assert verdict["host_bound"]
+    assert verdict["host_to_step"] == pytest.approx(0.98)
+    assert verdict["fastest_peer"] == "sac-every-matmul"
+    assert verdict["fastest_peer_host_to_step"] == pytest.approx(0.98)
+    print_report(report)
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .endswith("; host-bound: host 0.98 of its step (sac-every-matmul's 0.98)")
+    )
+
+
+@pytest.mark.parametrize("host_share", [0.5, HOST_BOUND_FRACTION - 0.01])
+def test_a_plan_whose_device_outlasts_its_host_gets_no_host_note(
+    host_share: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    verdict, report = _host_bound_report(host_share)
+    assert not verdict["host_bound"]
+    assert verdict["host_to_step"] == pytest.approx(host_share)
+    print_report(report)
+    assert "host-bound" not in capsys.readouterr().out
+
+
+def test_without_host_times_a_verdict_says_nothing_of_the_host() -> None:
+    times = {"torch": [1.0, 1.0], "budget@mid": [0.95, 0.97]}
+    peaks = dict.fromkeys(times, 9 * GIB)
+    verdict = verdicts(_plans(14.45, 9.0), times, peaks, {})["budget@mid"]
+    assert "host_bound" not in verdict
+    assert "host_to_step" not in verdict
+    assert "fastest_peer_host_to_step" not in verdict
+
+
+def test_host_fields_pair_each_rounds_host_time_with_its_own_step() -> None:
+    # The second round did not run; the host/step ratio is taken round by round.
+    fields = host_fields([0.10, None, 0.20, 0.30], [0.05, None, 0.18, 0.30])
+    assert fields["step_time_s"] == pytest.approx(0.20)
+    assert fields["host_time_s"] == pytest.approx(0.18)
+    assert fields["host_to_step"] == pytest.approx(0.9)
+    assert fields["host_to_step_q1"] == pytest.approx(0.7)
+    assert fields["host_to_step_q3"] == pytest.approx(0.95)
+    assert host_fields([None, None], [None, None]) == {}
+    assert host_fields([0.1], []) == {"step_time_s": pytest.approx(0.1)}

@@ -4,10 +4,15 @@ The verdict is computed, not read off the table: which eager peers fit a budget 
 of measured peaks against it, and a plan's standing against the fastest of them is a paired
 ratio (the plan's step divided by that peer's in the same round), not a difference of two
 medians taken against a third strategy.
+
+Beside each strategy's step time stands its host time (what issuing the step cost the host,
+``Step.host_seconds`` in ``_budget_runner``): where the two are close the host, not the device,
+set the step's pace, and a plan's verdict says so (:data:`HOST_BOUND_FRACTION`).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,12 +20,70 @@ from typing import Any
 from matepoint_examples.bench._paired import per_round_ratios, quartiles
 from matepoint_examples.bench._report import ratio_cell
 
-__all__ = ["TWIN_SUFFIX", "is_peer", "plot_frontier", "print_report", "verdicts"]
+__all__ = [
+    "HOST_BOUND_FRACTION",
+    "TWIN_SUFFIX",
+    "host_fields",
+    "is_peer",
+    "plot_frontier",
+    "print_report",
+    "verdicts",
+]
 
 _GIB = float(1 << 30)
 # A strategy's twin: the same strategy run a second time each round, a control of the run's
 # noise (the twin's paired ratio to the strategy would be 1 on a quiet host).
 TWIN_SUFFIX = " twin"
+
+HOST_BOUND_FRACTION = 0.9
+"""A step whose host time is at least this fraction of its step time is host-bound.
+
+Issuing a step ends before the step does, even when the host sets the pace: the device still
+runs the work of the last calls (the optimizer step's) after the host returns from them, so a
+host-bound step's ratio sits a little below 1, and on a CPU, where both are wall times, at 1.
+A step whose device ran on for more than a tenth of the step after the host was done was not
+waiting for the host most of the time, so below this fraction nothing is said.
+"""
+
+
+def _host_to_step(
+    seconds: Sequence[float | None], host_seconds: Sequence[float | None]
+) -> list[float]:
+    """Each round's host time over its step time (the rounds where both were measured)."""
+    return [
+        host / step
+        for step, host in zip(seconds, host_seconds, strict=False)
+        if step is not None and host is not None and step > 0
+    ]
+
+
+def host_fields(
+    seconds: Sequence[float | None], host_seconds: Sequence[float | None]
+) -> dict[str, float]:
+    """A strategy's median step and host time, and its host time over its step time.
+
+    Args:
+        seconds: Its step time in each round (``None`` where it did not run).
+        host_seconds: Its host time in the same rounds.
+
+    Returns:
+        ``step_time_s`` and ``host_time_s`` (medians of the rounds that ran), and
+        ``host_to_step`` with ``host_to_step_q1`` and ``host_to_step_q3``: the median and
+        quartiles of the per-round ratios, each host time over its own step's time (empty
+        where no round ran; no host fields where no host time was recorded).
+    """
+    fields: dict[str, float] = {}
+    steps = [value for value in seconds if value is not None]
+    hosts = [value for value in host_seconds if value is not None]
+    if steps:
+        fields["step_time_s"] = statistics.median(steps)
+    if hosts:
+        fields["host_time_s"] = statistics.median(hosts)
+    ratios = _host_to_step(seconds, host_seconds)
+    if ratios:
+        q1, median, q3 = quartiles(ratios)
+        fields.update(host_to_step=median, host_to_step_q1=q1, host_to_step_q3=q3)
+    return fields
 
 
 def is_peer(name: str) -> bool:
@@ -33,17 +96,21 @@ def verdicts(
     times: Mapping[str, Sequence[float | None]],
     peaks: Mapping[str, int],
     errors: Mapping[str, str],
+    host_times: Mapping[str, Sequence[float | None]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Judge each budget plan: its peak against budget and prediction, its step against peers.
 
     The peers are the eager strategies that fit the plan's budget; the one to beat is the
-    fastest of them, the plan compared with it round by round.
+    fastest of them, the plan compared with it round by round. With host times, each plan's
+    step is also judged host-bound or not (:data:`HOST_BOUND_FRACTION`).
 
     Args:
         plans: Per budget plan's name, at least ``budget_bytes`` and ``predicted_peak_bytes``.
         times: Per strategy, its step time in each round (``None`` where it did not run).
         peaks: Per strategy, its measured peak (negative where it ran out of memory).
         errors: The strategies that failed, with why.
+        host_times: Per strategy, its host time in each round, round for round with
+            ``times``. Default: none (no host fields in the verdicts).
 
     Returns:
         Per plan: ``measured_peak_bytes``, ``within_budget``, ``predicted_error`` (predicted over
@@ -54,7 +121,16 @@ def verdicts(
         ``tied`` otherwise). A plan that did not run in every round gets no standing. Where
         that peer's twin ran every round, its ratio to the peer (``twin_to_peer`` and its
         quartiles) beside the plan's: how far apart the same strategy measures in this run.
+        With ``host_times``: ``host_to_step`` (the plan's median per-round host time over its
+        step time), ``host_bound`` (that median at least :data:`HOST_BOUND_FRACTION`) and,
+        where there is a fastest peer, ``fastest_peer_host_to_step`` (the same, for it).
     """
+
+    def host_to_step(name: str) -> float | None:
+        if host_times is None:
+            return None
+        ratios = _host_to_step(times.get(name, []), host_times.get(name, []))
+        return statistics.median(ratios) if ratios else None
 
     def ran_every_round(name: str) -> bool:
         return name not in errors and bool(times.get(name)) and None not in times[name]
@@ -95,6 +171,11 @@ def verdicts(
             if ran_every_round(twin):
                 q1, median, q3 = quartiles(per_round_ratios(times, fastest)[twin])
                 result.update(twin_to_peer=median, twin_to_peer_q1=q1, twin_to_peer_q3=q3)
+            if host_to_step(fastest) is not None:
+                result["fastest_peer_host_to_step"] = host_to_step(fastest)
+        ratio = host_to_step(name)
+        if ratio is not None:
+            result.update(host_to_step=ratio, host_bound=ratio >= HOST_BOUND_FRACTION)
         results[name] = result
     return results
 
@@ -126,26 +207,39 @@ def _verdict_line(name: str, verdict: Mapping[str, Any]) -> str:
                 verdict["twin_to_peer"], verdict["twin_to_peer_q1"], verdict["twin_to_peer_q3"]
             )
             standing += f"; its twin: {twin}"
+    if verdict.get("host_bound"):
+        standing += f"; host-bound: host {verdict['host_to_step']:.2f} of its step"
+        if "fastest_peer_host_to_step" in verdict:
+            standing += f" ({verdict['fastest_peer']}'s {verdict['fastest_peer_host_to_step']:.2f})"
     return f"{name}: {memory}; {standing}" + (f" (over the budget: {over})" if over else "")
 
 
 def print_report(report: Mapping[str, Any]) -> None:
-    """Print a report's table (step ratios, peaks) and each budget plan's verdict."""
+    """Print a report's table and each budget plan's verdict.
+
+    Per strategy: its step ratios, its median step and host time (ms) and its host time over its
+    step time (``-`` in a report saved before host times were kept), its peak and the predicted.
+    """
     print(f"{report['workload']}: {report['rounds']} rounds on {report['device']}")
     print(
         f"{'strategy':<20}{'step / torch':>24}{'step / matepoint':>24}"
-        f"{'peak GiB':>10}{'predicted':>11}"
+        f"{'step ms':>9}{'host ms':>9}{'host/step':>10}{'peak GiB':>10}{'predicted':>11}"
     )
     predicted = {name: plan["predicted_peak_bytes"] for name, plan in report["plans"].items()}
 
     def ratio(row: Mapping[str, Any], label: str) -> str:
         return ratio_cell(row.get(label), row.get(f"{label}_q1"), row.get(f"{label}_q3"))
 
+    def milliseconds(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
     for name, row in report["rows"].items():
         planned = predicted.get(name, row["planned_peak_bytes"])
         peak = row["peak_bytes"]
         print(
             f"{name:<20}{ratio(row, 'ratio'):>24}{ratio(row, 'to_matepoint'):>24}"
+            f"{milliseconds(row.get('step_time_s')):>9}{milliseconds(row.get('host_time_s')):>9}"
+            f"{ratio_cell(row.get('host_to_step')):>10}"
             f"{'-' if peak is None or peak < 0 else f'{peak / _GIB:.2f}':>10}"
             f"{'-' if planned is None else f'{planned / _GIB:.2f}':>11}"
         )

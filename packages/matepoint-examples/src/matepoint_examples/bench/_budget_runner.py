@@ -13,16 +13,58 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 import matepoint
+from matepoint_examples._runtime import peak_bytes, reset_peak, synchronize
 from matepoint_examples.bench._budget_workloads import BudgetWorkload, CheckpointFn
 from matepoint_examples.bench._paired import per_round_ratios, round_order
 
-__all__ = ["Runner", "alternate", "measure_finalists", "no_checkpoint", "plan_checkpoint_fn"]
+__all__ = [
+    "Alternated",
+    "Runner",
+    "Step",
+    "alternate",
+    "measure_finalists",
+    "no_checkpoint",
+    "plan_checkpoint_fn",
+]
+
+
+class Step(NamedTuple):
+    """One timed training step (all NaN, peak -1, where it ran out of memory or failed).
+
+    Attributes:
+        seconds: Wall time from the step's start to the synchronize that ends it.
+        peak_bytes: The allocator's peak over the step (0 on a CPU, which has none).
+        host_seconds: Wall time until the host returned from the last call that enqueues the
+            step's work (the optimizer step), before that synchronize: what issuing the step
+            costs the host. Well below ``seconds``, the host waited for the device at the end;
+            near it, the device waited for the host (host-bound), or the host waited for the
+            device inside the step (a call that synchronizes).
+    """
+
+    seconds: float
+    peak_bytes: int
+    host_seconds: float
+
+
+class Alternated(NamedTuple):
+    """What :func:`alternate` measured, from the rounds after the warm-up.
+
+    Attributes:
+        times: Per strategy, its step's seconds in each round (None where it did not run).
+        peaks: Per strategy, its largest peak (-1 where it ran out of memory in every round).
+        host_times: Per strategy, its step's host seconds in each round, round for round
+            with ``times`` (:attr:`Step.host_seconds`).
+    """
+
+    times: dict[str, list[float | None]]
+    peaks: dict[str, int]
+    host_times: dict[str, list[float | None]]
 
 
 def no_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -43,12 +85,19 @@ def _compiled_backend(memory_budget: float) -> Callable[..., Any]:
 
 
 class Runner:
-    """One model and optimizer; a step under any strategy, timed, with its peak memory."""
+    """One model and optimizer; a step under any strategy, timed, with its peak memory.
 
-    def __init__(self, workload: BudgetWorkload) -> None:
+    Args:
+        workload: The model, its inputs and how its blocks are checkpointed.
+        device: Where to build and run it (a CPU for tests: no peaks, both times wall times).
+            Default: ``"cuda"``.
+    """
+
+    def __init__(self, workload: BudgetWorkload, device: torch.device | str = "cuda") -> None:
         self.workload = workload
+        self.device = torch.device(device)
         torch.manual_seed(0)
-        with torch.device("cuda"):
+        with self.device:
             self.model, self.inputs = workload.build()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=True)
         self.settings: dict[str, dict[str, Any]] = {}
@@ -61,18 +110,18 @@ class Runner:
             value.numel() * value.element_size()
             for state in self.optimizer.state.values()
             for value in state.values()
-            if isinstance(value, Tensor) and value.is_cuda
+            if isinstance(value, Tensor) and value.device.type == self.device.type
         )
 
     def optimizer_step_peak(self) -> int:
         """The peak of an optimizer step alone, gradients in place (zero gradients)."""
         for parameter in self.model.parameters():
             parameter.grad = torch.zeros_like(parameter)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        synchronize(self.device)
+        reset_peak(self.device)
         self.optimizer.step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        synchronize(self.device)
+        peak = peak_bytes(self.device) or 0
         self.optimizer.zero_grad(set_to_none=True)
         return peak
 
@@ -87,11 +136,18 @@ class Runner:
         compiled = torch.compile(self.model, backend=backend)
         self.compiled[name] = lambda: self.workload.loss(compiled, self.inputs)
 
-    def step(self, name: str, checkpoint_fn: CheckpointFn | None) -> tuple[float, int]:
-        """One training step; (seconds, peak bytes), or (nan, -1) when it ran out of memory."""
+    def step(self, name: str, checkpoint_fn: CheckpointFn | None) -> Step:
+        """One training step: its seconds, peak and host seconds (:class:`Step`).
+
+        The step is forward, backward and the optimizer step, from a synchronized start to the
+        synchronize after them; its host time stops where the host returns from the optimizer
+        step, before that synchronize. A step that runs out of memory (or a compiled strategy
+        that fails) gives NaN seconds and peak -1.
+        """
+        failed = Step(math.nan, -1, math.nan)
         self.workload.set_checkpoint(self.model, checkpoint_fn or no_checkpoint)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        synchronize(self.device)
+        reset_peak(self.device)
         start = time.perf_counter()
         try:
             with matepoint.options(**self.settings.get(name, {})):
@@ -103,38 +159,41 @@ class Runner:
                 loss.backward()  # type: ignore[no-untyped-call,unused-ignore]
             del loss
             self.optimizer.step()
-            torch.cuda.synchronize()
+            issued = time.perf_counter()
+            synchronize(self.device)
         except torch.cuda.OutOfMemoryError:
             self.optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-            return math.nan, -1
+            return failed
         except Exception as error:  # a compiled strategy that fails to compile: reported, skipped
             if name not in self.compiled:
                 raise
             self.errors.setdefault(name, f"{type(error).__name__}: {error}"[:500])
             self.optimizer.zero_grad(set_to_none=True)
-            return math.nan, -1
+            return failed
+        seconds = time.perf_counter() - start
         self.optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start, torch.cuda.max_memory_allocated()
+        return Step(seconds, peak_bytes(self.device) or 0, issued - start)
 
 
 def alternate(
     runner: Runner, strategies: Mapping[str, CheckpointFn | None], rounds: int, warmup: int
-) -> tuple[dict[str, list[float | None]], dict[str, int]]:
+) -> Alternated:
     """Run each strategy once per round, the order rotating (``round_order``).
 
-    Returns, from the rounds after ``warmup``, each strategy's step times (None where it ran
-    out of memory) and its peak.
+    Returns, from the rounds after ``warmup``, each strategy's step times and host times (None
+    where it ran out of memory) and its peak (:class:`Alternated`).
     """
-    times: dict[str, list[float | None]] = {name: [] for name in strategies}
-    peaks: dict[str, int] = {}
+    measured = Alternated({name: [] for name in strategies}, {}, {name: [] for name in strategies})
     for round_index in range(warmup + rounds):
         for name in round_order(list(strategies), round_index):
-            seconds, peak = runner.step(name, strategies[name])
+            step = runner.step(name, strategies[name])
             if round_index >= warmup:
-                times[name].append(None if math.isnan(seconds) else seconds)
-                peaks[name] = max(peaks.get(name, -1), peak)
-    return times, peaks
+                ran = not math.isnan(step.seconds)
+                measured.times[name].append(step.seconds if ran else None)
+                measured.host_times[name].append(step.host_seconds if ran else None)
+                measured.peaks[name] = max(measured.peaks.get(name, -1), step.peak_bytes)
+    return measured
 
 
 def plan_checkpoint_fn(plan: matepoint.BudgetPlan) -> CheckpointFn:
@@ -164,7 +223,7 @@ def measure_finalists(
         for index, plan in enumerate(plans):
             finalists[f"finalist {index}"] = plan_checkpoint_fn(plan)
             runner.settings[f"finalist {index}"] = plan.settings_changes()
-        times = alternate(runner, finalists, rounds, warmup=1)[0]
+        times = alternate(runner, finalists, rounds, warmup=1).times
         ran = [name for name in finalists if None not in times[name]]
         if not ran:
             return [math.inf] * len(plans)

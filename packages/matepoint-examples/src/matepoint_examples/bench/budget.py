@@ -1,26 +1,27 @@
 """Budget plans on a GPU: measured peak and step against the plan, and against the peers.
 
 Run ``matepoint-bench budget --workload llama8`` (or ``python -m
-matepoint_examples.bench.budget``). One process builds one model (a Llama-style stack,
-nanochat12, or a Hugging Face Llama) and one AdamW optimizer, measures torch's checkpoint and no
-checkpoint once, plans a budget step on the meta device for each budget (``--budgets``: torch
-checkpoint's measured peak, halfway to no checkpoint's, or a fixed size such as ``24GiB``;
-``--device-memory 24GiB`` caps the process there with
-``torch.cuda.set_per_process_memory_fraction``) with the search's two finalists measured on the
-GPU (Note [Measured finalists] in ``matepoint._planner.search``; where the time model alone
-would have chosen otherwise, its plan runs too, as ``budget@... model``), then runs every strategy
-alternately, step by step (see ``matepoint_examples.bench._paired`` for why), and reports per
-strategy the median per-round step ratio to torch's checkpoint [interquartile range], the
-measured peak, and for the budget plans the predicted peak. A strategy that runs out of memory
-is reported without a ratio. ``--compiled`` adds torch's compiled ``activation_memory_budget``
-at each budget, for reference, and each budget plan run under matepoint's compiled path
-(``compiled_offload``, the whole model compiled). ``--twin sac-every-matmul`` runs that peer a
-second time each round, as a control: where it is a plan's fastest peer, the verdict gives the
-twin's ratio to it beside the plan's (on a host-bound step the same strategy's two medians can
-differ by a few percent). ``--engines`` runs each budget plan's policy also under torch's
-checkpoint and under matepoint's with ``offload=False`` (``engine_variants``). ``--plot
-frontier.png report.json ...`` draws step ratio against peak memory from saved reports, without
-a GPU.
+matepoint_examples.bench.budget``). One process builds one model (a Llama-style stack, nanochat12,
+or a Hugging Face Llama) and one AdamW optimizer, measures torch's checkpoint and no checkpoint
+once, plans a budget step on the meta device for each budget (``--budgets``: torch checkpoint's
+measured peak, halfway to no checkpoint's, or a fixed size such as ``24GiB``; ``--device-memory
+24GiB`` caps the process there with ``torch.cuda.set_per_process_memory_fraction``) with the
+search's two finalists measured on the GPU (Note [Measured finalists] in
+``matepoint._planner.search``; where the time model alone would have chosen otherwise, its plan
+runs too, as ``budget@... model``), then runs every strategy alternately, step by step (see
+``matepoint_examples.bench._paired`` for why), and reports per strategy the median per-round step
+ratio to torch's checkpoint [interquartile range], its median step time and host time (what issuing
+a step costs the host, before the synchronize that ends it) with their ratio, the measured peak,
+and for the budget plans the predicted peak; a plan whose host time is close to its step time is
+called host-bound in its verdict. A strategy that runs out of memory is reported without a ratio.
+``--compiled`` adds torch's compiled ``activation_memory_budget`` at each budget, for reference,
+and each budget plan run under matepoint's compiled path (``compiled_offload``, the whole model
+compiled). ``--twin sac-every-matmul`` runs that peer a second time each round, as a control: where
+it is a plan's fastest peer, the verdict gives the twin's ratio to it beside the plan's (on a
+host-bound step the same strategy's two medians can differ by a few percent). ``--engines`` runs
+each budget plan's policy also under torch's checkpoint and under matepoint's with
+``offload=False`` (``engine_variants``). ``--plot frontier.png report.json ...`` draws step ratio
+against peak memory from saved reports, without a GPU.
 
 Note [Calibrating the planned peak]
     The planner plans forward and backward of the stack. A training step also holds the
@@ -41,7 +42,7 @@ import dataclasses
 import functools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +54,13 @@ import matepoint
 from matepoint._planner.op_kinds import op_kind
 from matepoint_examples.bench._budget_report import (
     TWIN_SUFFIX,
+    host_fields,
     plot_frontier,
     print_report,
     verdicts,
 )
 from matepoint_examples.bench._budget_runner import (
+    Alternated,
     Runner,
     alternate,
     measure_finalists,
@@ -176,6 +179,39 @@ def engine_variants(name: str, plan: matepoint.BudgetPlan) -> dict[str, Checkpoi
     }
 
 
+def _rows(
+    measured: Alternated, errors: Mapping[str, str], planned_peaks: Mapping[str, int]
+) -> dict[str, dict[str, Any]]:
+    """The report's row of each strategy, in the order ``measured`` has them.
+
+    A row holds the strategy's measured peak, its paired ratios to torch's checkpoint
+    (``ratio``) and to matepoint on every block (``to_matepoint``) with their quartiles, its
+    error if it failed, its planned peak (``planned_peaks``, else None), its per-round
+    ``seconds`` and ``host_seconds``, and their medians and ratio (:func:`host_fields`).
+    """
+    # Beside the ratio to torch's checkpoint, the ratio to matepoint on every block: the one
+    # reference that fits wherever anything does (under a device-memory cap torch's may not).
+    references = {
+        "ratio": per_round_ratios(measured.times),
+        "to_matepoint": per_round_ratios(measured.times, "matepoint"),
+    }
+    rows = {}
+    for name, seconds in measured.times.items():
+        row: dict[str, Any] = {"peak_bytes": measured.peaks.get(name)}
+        for label, ratios in references.items():
+            if ratios.get(name):
+                q1, median, q3 = quartiles(ratios[name])
+                row.update({label: median, f"{label}_q1": q1, f"{label}_q3": q3})
+        if name in errors:
+            row["error"] = errors[name]
+        row["planned_peak_bytes"] = planned_peaks.get(name)
+        row["seconds"] = seconds
+        row["host_seconds"] = measured.host_times[name]
+        row.update(host_fields(seconds, measured.host_times[name]))
+        rows[name] = row
+    return rows
+
+
 def run(
     workload_name: str,
     rounds: int,
@@ -268,28 +304,13 @@ def run(
             runner.add_compiled(label)
             strategies[label] = plan_checkpoint_fn(budget_plan)
             runner.settings[label] = {**budget_plan.settings_changes(), "compiled_offload": True}
-    names = list(strategies)
-    times, peaks = alternate(runner, strategies, rounds, warmup)
-    # Beside the ratio to torch's checkpoint, the ratio to matepoint on every block: the one
-    # reference that fits wherever anything does (under a device-memory cap torch's may not).
-    references = {
-        "ratio": per_round_ratios(times),
-        "to_matepoint": per_round_ratios(times, "matepoint"),
+    measured = alternate(runner, strategies, rounds, warmup)
+    planned_peaks = {
+        name: predicted(memory_plan[name].peak_bytes) for name in ("torch", "none", "matepoint")
     }
-    rows = {}
-    for name in names:
-        row: dict[str, Any] = {"peak_bytes": peaks.get(name)}
-        for label, ratios in references.items():
-            if ratios.get(name):
-                q1, median, q3 = quartiles(ratios[name])
-                row.update({label: median, f"{label}_q1": q1, f"{label}_q3": q3})
-        if name in runner.errors:
-            row["error"] = runner.errors[name]
-        planned = name in ("torch", "none", "matepoint")
-        row["planned_peak_bytes"] = predicted(memory_plan[name].peak_bytes) if planned else None
-        row["seconds"] = times[name]
-        rows[name] = row
-    for name, verdict in verdicts(plans, times, peaks, runner.errors).items():
+    rows = _rows(measured, runner.errors, planned_peaks)
+    judged = verdicts(plans, measured.times, measured.peaks, runner.errors, measured.host_times)
+    for name, verdict in judged.items():
         plans[name]["verdict"] = verdict
     return {
         "workload": workload_name,
