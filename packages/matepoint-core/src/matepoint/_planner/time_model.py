@@ -17,10 +17,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
+import numbers
 import os
 import statistics
+import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +34,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint_compat as compat
+
+if sys.platform != "win32":
+    import fcntl
 
 __all__ = [
     "DEFAULT_LINK_BANDWIDTH",
@@ -69,6 +78,28 @@ class DeviceModel:
     to_host_bandwidth: float = DEFAULT_LINK_BANDWIDTH
     to_device_bandwidth: float = DEFAULT_LINK_BANDWIDTH
     policy_seconds_per_op: float = DEFAULT_POLICY_SECONDS_PER_OP
+
+    def __post_init__(self) -> None:
+        """Refuse a rate the search cannot divide by or compare: each is checked by name.
+
+        Raises:
+            TypeError: For a field that is not a real number (a bool, a string, None).
+            ValueError: For a rate that is zero, negative, NaN or infinite, or a policy cost
+                that is negative, NaN or infinite (it may be zero).
+        """
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            may_be_zero = field.name == "policy_seconds_per_op"
+            wanted = "0 or more" if may_be_zero else "above 0"
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(
+                    f"DeviceModel.{field.name} must be a number ({wanted}), got {value!r} "
+                    f"({type(value).__name__})"
+                )
+            if not math.isfinite(value) or value < 0 or (value == 0 and not may_be_zero):
+                raise ValueError(
+                    f"DeviceModel.{field.name} must be a finite number {wanted}, got {value!r}"
+                )
 
 
 class StepFigures(Protocol):
@@ -171,22 +202,27 @@ def _measure(device: torch.device) -> DeviceModel:
 
 
 def calibrate(
-    device: torch.device | str = "cuda", *, cache: Path | None = None, refresh: bool = False
+    device: torch.device | str = "cuda",
+    *,
+    cache: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
 ) -> DeviceModel:
     """Return a :class:`~matepoint.DeviceModel` measured on ``device``, from the cache if there.
 
-    Takes a second or two on a GPU (a bf16 matrix product, a 256 MiB copy on the device and
-    each way over the link, a few hundred small ops with and without a selective-checkpoint
-    mode). Pass the result to :meth:`matepoint.MemoryPlan.fastest_under` as ``device=``.
+    Takes a second or two on a GPU (a bf16 matrix product, a 256 MiB copy each way over the
+    link, a few hundred small ops with and without a selective-checkpoint mode). Pass the
+    result to :meth:`matepoint.MemoryPlan.fastest_under` as ``device=``.
 
     Args:
         device: A CUDA device. Default: ``"cuda"`` (the current one).
-        cache: The cache file, keyed by device name and torch release. Default:
+        cache: The cache file (a path or a string), keyed by device name and torch release;
+            see Note [The calibration cache]. Default:
             ``$XDG_CACHE_HOME/matepoint/device-models.json`` (``~/.cache`` without the variable).
         refresh: Measure again even if the cache has this device. Default: ``False``.
 
     Returns:
-        The measured model.
+        The measured model (or the cached one). A cache that cannot be written costs a
+        ``RuntimeWarning``, not the measurement.
 
     Raises:
         ValueError: If ``device`` is not a CUDA device, or no GPU is present.
@@ -199,30 +235,104 @@ def calibrate(
             "one, plans use DeviceModel()'s H200 figures"
         )
     key = f"{torch.cuda.get_device_name(device)} | torch {torch.__version__}"
-    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    path = cache or Path(cache_home) / "matepoint" / "device-models.json"
-    return cached_model(path, key, lambda: _measure(device), refresh=refresh)
+    if cache is None:
+        cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        cache = Path(cache_home) / "matepoint" / "device-models.json"
+    return cached_model(cache, key, lambda: _measure(device), refresh=refresh)
+
+
+# Note [The calibration cache]
+#     One JSON file holds a DeviceModel per device name and torch release; several processes
+#     (the ranks of a node) and threads may calibrate at once, each for its own device.
+#     Rule 1. An entry is used only if it is a whole DeviceModel: every field and no other, each
+#        accepted by DeviceModel's checks. Anything else (a missing field, a string, a zero or
+#        NaN rate) is measured again and overwritten, never filled with the defaults.
+#     Rule 2. A write never loses another entry: under a lock (a process-wide lock for threads,
+#        and ``fcntl.flock`` on a lock file beside the cache between processes on POSIX; on
+#        Windows only the threads of one process are kept apart), the file is read again, the
+#        entry merged in and written to a temporary file that ``os.replace`` puts in place. A
+#        reader, which takes no lock, sees the old file or the new one, never half of one.
+#     Rule 3. A cache that cannot be written costs the next calibration a measurement, not this
+#        one: a RuntimeWarning, and the measured model is returned.
+#     Example: four ranks of a node, each calibrating its own GPU at once, leave four entries.
+
+_CACHE_WRITES = threading.Lock()
 
 
 def cached_model(
-    path: Path, key: str, measure: Callable[[], DeviceModel], *, refresh: bool = False
+    path: str | os.PathLike[str],
+    key: str,
+    measure: Callable[[], DeviceModel],
+    *,
+    refresh: bool = False,
 ) -> DeviceModel:
     """Return the model stored under ``key`` in ``path``, or measure, store and return it.
 
-    Other keys in the file are kept; a file that is missing or cannot be read is measured over,
-    not trusted.
+    Other keys in the file are kept; see Note [The calibration cache].
     """
+    path = Path(path)
+    if not refresh and (stored := _stored_model(_read_cache(path).get(key))) is not None:
+        return stored
+    model = measure()
+    try:
+        _store(path, key, model)
+    except OSError as error:  # See Rule 3 of Note [The calibration cache].
+        warnings.warn(
+            f"matepoint: could not write the calibration cache {path} ({error}); the "
+            "measurement is used but not kept, so the next calibration measures again",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return model
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    """The cache's entries; a file that is missing, unreadable or not a JSON object has none."""
     try:
         stored: Any = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        stored = {}
-    if not isinstance(stored, dict):  # valid JSON, but not what this module writes
-        stored = {}
-    if not refresh and isinstance(stored.get(key), dict):
-        with contextlib.suppress(TypeError):  # fields of another release's DeviceModel
-            return DeviceModel(**stored[key])
-    model = measure()
-    stored[key] = dataclasses.asdict(model)
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
+def _stored_model(entry: Any) -> DeviceModel | None:
+    """``entry`` as a model, or None where it is not a whole, valid one (Rule 1 of Note [The
+    calibration cache])."""
+    names = {field.name for field in dataclasses.fields(DeviceModel)}
+    if not isinstance(entry, dict) or set(entry) != names:
+        return None
+    try:
+        return DeviceModel(**entry)
+    except (TypeError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold the cache's lock: Rule 2 of Note [The calibration cache]."""
+    with _CACHE_WRITES:
+        if sys.platform == "win32":  # no flock: the threads of this process are kept apart
+            yield
+            return
+        with open(path.with_name(path.name + ".lock"), "ab") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+            yield
+
+
+def _store(path: Path, key: str, model: DeviceModel) -> None:
+    """Merge ``model`` under ``key`` into the cache: Rule 2 of Note [The calibration cache]."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(stored, indent=2) + "\n", encoding="utf-8")
-    return model
+    with _locked(path):
+        stored = _read_cache(path)
+        stored[key] = dataclasses.asdict(model)
+        handle, temporary = tempfile.mkstemp(
+            dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
+        )
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as file:
+                file.write(json.dumps(stored, indent=2) + "\n")
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
