@@ -15,7 +15,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
-import matepoint_compat as compat
+from matepoint._compiled import regions
 from matepoint._engine import channel_engine as _engine
 from matepoint._engine import engines as _engines_table
 from matepoint.testing import CPUTestTransport
@@ -161,7 +161,7 @@ class CapturingBackend:
 
     def offloaded(self) -> list[str]:
         """The values the forward graphs send to the host."""
-        return [name for graph in self.forward_graphs for name in compat.offloaded_nodes(graph)]
+        return [name for graph in self.forward_graphs for name in regions.offloaded_nodes(graph)]
 
     def saved(self) -> list[str]:
         """Names of what the forward graphs return (outputs and saved values)."""

@@ -28,6 +28,7 @@ from torch import nn
 
 import matepoint
 import matepoint_compat as compat
+from matepoint._compiled import forward_window, inductor_order, regions, scope, traffic
 from matepoint.testing import CPUTestTransport, use_transport
 
 WIDTH = 16
@@ -42,7 +43,7 @@ _INDUCTOR_IMPORT = pytest.mark.filterwarnings(
     "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
 )
 
-# The torch settings matepoint's compiled path writes (see matepoint_compat._compile._scope).
+# The torch settings matepoint's compiled path writes (see matepoint._compiled.scope).
 _TORCH_CONFIG = (
     "joint_custom_pass",
     "enable_activation_offloading",
@@ -259,20 +260,20 @@ def test_gradients_equal_torch_checkpoint_under_aot_eager(
     # Nothing went through matepoint's eager engine: what stats() counts is the compiled
     # graph's copies, once each way (Note [Counting compiled copies]).
     assert matepoint.stats().offloads == matepoint.stats().fetches == DEPTH + (2 if extras else 0)
-    assert compat.COMPILED_TRAFFIC.offloads == DEPTH + (2 if extras else 0)
+    assert traffic.COMPILED_TRAFFIC.offloads == DEPTH + (2 if extras else 0)
 
 
 @pytest.fixture
 def marked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the values matepoint's joint-graph pass marks for offload, as it marks them."""
     names: list[str] = []
-    mark = compat.mark_for_offload
+    mark = regions.mark_for_offload
 
     def spy(node: torch.fx.Node) -> None:
         names.append(node.name)
         mark(node)
 
-    monkeypatch.setattr(compat, "mark_for_offload", spy)
+    monkeypatch.setattr(regions, "mark_for_offload", spy)
     return names
 
 
@@ -366,8 +367,6 @@ def test_inductor_keeps_the_order_of_matepoints_graphs_and_reorders_others(
     from torch._inductor import memory
     from torch._inductor.utils import fresh_inductor_cache
 
-    from matepoint_compat._compile import _inductor_order
-
     reorders: list[int] = []
     reorder = memory.reorder_for_peak_memory
 
@@ -376,17 +375,18 @@ def test_inductor_keeps_the_order_of_matepoints_graphs_and_reorders_others(
         return reorder(nodes, *args, **kwargs)
 
     monkeypatch.setattr(memory, "reorder_for_peak_memory", spy)
-    monkeypatch.setattr(compat, "INDUCTOR_ORDER_COUNTS", compat.InductorOrderCounts())
-    monkeypatch.setattr(_inductor_order, "INDUCTOR_ORDER_COUNTS", compat.INDUCTOR_ORDER_COUNTS)
+    monkeypatch.setattr(
+        inductor_order, "INDUCTOR_ORDER_COUNTS", inductor_order.InductorOrderCounts()
+    )
     reference, model = twins()
     with fresh_inductor_cache():
         expected = step(reference, "inductor")
         assert len(reorders) == 2  # torch's forward and backward
-        assert compat.INDUCTOR_ORDER_COUNTS.compiled == 0
+        assert inductor_order.INDUCTOR_ORDER_COUNTS.compiled == 0
         got = step(model, "inductor")
     assert len(reorders) == 2  # none for matepoint's
-    assert compat.INDUCTOR_ORDER_COUNTS.marked == 2
-    assert compat.INDUCTOR_ORDER_COUNTS.compiled == 2
+    assert inductor_order.INDUCTOR_ORDER_COUNTS.marked == 2
+    assert inductor_order.INDUCTOR_ORDER_COUNTS.compiled == 2
     assert_bitwise(got, expected)
 
 
@@ -463,13 +463,13 @@ def test_the_settings_copy_window_reaches_the_partitioner(
     # The bound of Note [The forward copy window] is the device's max_inflight_bytes, as in eager
     # mode. The CPU test transport has no streams, so the copies stay synchronous (no window).
     asked: list[dict[str, Any]] = []
-    configure = compat.compiled_offload_config
+    configure = scope.compiled_offload_config
 
     def spy(**kwargs: Any) -> None:
         asked.append(kwargs)
         configure(**kwargs)
 
-    monkeypatch.setattr(compat, "compiled_offload_config", spy)
+    monkeypatch.setattr(scope, "compiled_offload_config", spy)
     reference, model = twins()
     with matepoint.options(max_inflight_bytes=12345):
         assert_bitwise(step(model, "aot_eager"), step(reference, "aot_eager"))
@@ -486,7 +486,7 @@ def test_the_copy_window_is_part_of_the_compile_cache_key() -> None:
         with matepoint.options(max_inflight_bytes=2):
             second = _resolve(None, True)
     finally:
-        compat.close_compile_scope()  # _resolve opened it, as in a trace
+        scope.close_compile_scope()  # _resolve opened it, as in a trace
     assert first is not None
     assert second is not None
     assert (first[3], second[3]) == (1, 2)
@@ -529,19 +529,19 @@ def test_inductor_runs_each_forward_copy_alone_on_the_transfer_stream_and_waits_
     from torch._inductor import graph as inductor_graph
     from torch._inductor.utils import fresh_inductor_cache
 
-    from matepoint_compat._compile import _forward_window as window
+    from matepoint._compiled import forward_window as window
 
     ids = itertools.count(1000)
     for name in ("get_current_stream", "new_stream", "new_event"):
         monkeypatch.setattr(activation_offloading, name, lambda *args, **kwargs: next(ids))
     # Backward's prefetch times nodes on a GPU; the forward is what is checked here.
     monkeypatch.setattr(activation_offloading, "activation_reload_prefetch", lambda graph: None)
-    configure = compat.compiled_offload_config
+    configure = scope.compiled_offload_config
 
     def with_the_stream(*, pipelined: bool, max_inflight_bytes: int = 0) -> None:
         configure(pipelined=True, max_inflight_bytes=max_inflight_bytes)
 
-    monkeypatch.setattr(compat, "compiled_offload_config", with_the_stream)
+    monkeypatch.setattr(scope, "compiled_offload_config", with_the_stream)
     codes: list[str] = []
     codegen = inductor_graph.GraphLowering.codegen
 
@@ -683,7 +683,7 @@ def test_a_users_joint_pass_still_runs(transport: CPUTestTransport) -> None:
 def test_eager_calls_after_a_compile_still_use_the_engine(transport: CPUTestTransport) -> None:
     reference, model = twins()
     step(model, "aot_eager")
-    assert compat.COMPILED_TRAFFIC.offloads == DEPTH  # the compiled graph's own copies
+    assert traffic.COMPILED_TRAFFIC.offloads == DEPTH  # the compiled graph's own copies
     matepoint.reset_stats()
     model.zero_grad(set_to_none=True)
     x = torch.randn(2, 8, WIDTH, requires_grad=True)
@@ -945,27 +945,23 @@ def _transfer_delay() -> Any:
 def window_moves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many forward waits the copy window moved, per graph; and slow copies where it can.
 
-    Wraps ``matepoint_compat._compile._forward_window.bound_forward_waits``. On torch 2.11's
+    Wraps ``matepoint._compiled.forward_window.bound_forward_waits``. On torch 2.11's
     layout (a ``device_put`` on the transfer stream) it also puts ``_transfer_delay`` before each
     copy (Streams standard: delay injection). torch 2.12+ copies inside one op, out of reach.
     """
-    from matepoint_compat._compile import _forward_window
-
     moves: list[int] = []
-    original = _forward_window.bound_forward_waits
+    original = forward_window.bound_forward_waits
 
     def spy(graph: torch.fx.Graph, max_inflight_bytes: int) -> int:
         moved = original(graph, max_inflight_bytes)
         moves.append(moved)
         for node in list(graph.nodes):
-            if _forward_window._op_name(node) == "prims::device_put" and node.name.startswith(
-                "cpu_offload_"
-            ):
+            if compat.op_name(node) == "prims::device_put" and node.name.startswith("cpu_offload_"):
                 with graph.inserting_before(node):
                     graph.call_function(_transfer_delay(), (node.args[0], 2_000_000))
         return moved
 
-    monkeypatch.setattr(_forward_window, "bound_forward_waits", spy)
+    monkeypatch.setattr(forward_window, "bound_forward_waits", spy)
     return moves
 
 

@@ -60,15 +60,15 @@ def test_stats_add_the_compiled_graphs_copies_and_reset_clears_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The compiled path's copies (Note [Counting compiled copies]) are offloads and fetches."""
-    import matepoint_compat as compat
+    from matepoint._compiled import traffic as compiled_traffic
 
-    traffic = compat.CompiledTrafficCounts(
+    traffic = compiled_traffic.CompiledTrafficCounts(
         offloads=3, bytes_offloaded=3072, fetches=2, bytes_fetched=2048
     )
-    monkeypatch.setattr(compat, "COMPILED_TRAFFIC", traffic)
+    monkeypatch.setattr(compiled_traffic, "COMPILED_TRAFFIC", traffic)
     stats = matepoint.stats()
     assert (stats.offloads, stats.bytes_offloaded) == (3, 3072)
     assert (stats.fetches, stats.bytes_fetched) == (2, 2048)
     assert "3 tensors, 3.00 KiB" in matepoint.report()
     matepoint.reset_stats()
-    assert traffic == compat.CompiledTrafficCounts()
+    assert traffic == compiled_traffic.CompiledTrafficCounts()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import matepoint_compat as compat
+from matepoint._compiled import traffic
 from matepoint._engine import engines
 from matepoint._engine.engines import all_engines
 from matepoint._engine.saving import kept_counters
@@ -22,7 +22,7 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
     Returns:
         The counters summed over all devices, plus the pools' and engines' current sizes.
         Offloads and fetches include the copies of compiled graphs (the compiled path, Note
-        [Counting compiled copies] in ``matepoint_compat._compile._traffic``): counted per graph
+        [Counting compiled copies] in ``matepoint._compiled.traffic``): counted per graph
         run, at the traced sizes.
 
     Example:
@@ -33,7 +33,7 @@ def stats(*, synchronize: bool = False) -> OffloadStats:
     snapshot = OffloadStats()
     snapshot.add(kept_counters)
     snapshot.add(engines.retired)
-    snapshot.add(compat.COMPILED_TRAFFIC)
+    snapshot.add(traffic.COMPILED_TRAFFIC)
     for engine in all_engines():
         engine.settle(block=synchronize)
         snapshot.add(engine.counters)
@@ -59,7 +59,7 @@ def reset_stats() -> None:
         0
     """
     kept_counters.reset()
-    compat.COMPILED_TRAFFIC.reset()
+    traffic.COMPILED_TRAFFIC.reset()
     engines.retired = OffloadStats()
     for engine in all_engines():
         with engine.lock:

@@ -33,6 +33,7 @@ from torch import Tensor
 
 import matepoint
 import matepoint_compat
+from matepoint._compiled import forward_window, inductor_order
 from matepoint_examples.bench._compiled import (
     MARKS,
     CompiledForward,
@@ -122,19 +123,19 @@ def _matepoint_compiled_report() -> dict[str, Any]:
     """Say whether matepoint's compiled path was taken, and what its forward copy window did.
 
     The window counts are the process's (graphs asked for, copies found, waits moved later; see
-    Note [The forward copy window] in ``matepoint_compat._forward_window``), and so are the
+    Note [The forward copy window] in ``matepoint._compiled.forward_window``), and so are the
     graphs inductor compiled in their own order (Note [Inductor's peak-memory reorder] in
-    ``matepoint_compat._inductor_order``; a graph loaded from AOTAutograd's cache counts in
+    ``matepoint._compiled.inductor_order``; a graph loaded from AOTAutograd's cache counts in
     neither).
     """
     taken = matepoint_compat.COMPILED_OFFLOAD
     info: dict[str, Any] = {"matepoint_path": "compiled" if taken else "eager, graph breaks"}
     if taken:
-        counts = matepoint_compat.FORWARD_WINDOW_COUNTS
+        counts = forward_window.FORWARD_WINDOW_COUNTS
         info["forward_window"] = (
             f"{counts.waits_moved} of {counts.copies} waits moved in {counts.graphs} graphs"
         )
-        order = matepoint_compat.INDUCTOR_ORDER_COUNTS
+        order = inductor_order.INDUCTOR_ORDER_COUNTS
         info["inductor_order"] = (
             f"kept in {order.compiled} of {order.marked} graphs (peak-memory reorder off)"
         )

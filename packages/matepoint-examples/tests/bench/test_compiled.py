@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 import matepoint_compat
+from matepoint._compiled import forward_window
 from matepoint_examples._workloads import Workload, build, get_workload
 from matepoint_examples.bench import _compiled
 from matepoint_examples.bench import _report as report
@@ -189,8 +190,8 @@ def test_worker_paired_json_alternates_compiled_strategies(
 ) -> None:
     """One model, the three compiled strategies and torch's, alternating: no recompiles."""
     # The window counts are the process's: start them at 0 for this run.
-    for field in dataclasses.fields(matepoint_compat.FORWARD_WINDOW_COUNTS):
-        monkeypatch.setattr(matepoint_compat.FORWARD_WINDOW_COUNTS, field.name, 0)
+    for field in dataclasses.fields(forward_window.FORWARD_WINDOW_COUNTS):
+        monkeypatch.setattr(forward_window.FORWARD_WINDOW_COUNTS, field.name, 0)
     args = ["--worker", "paired", "--workload", "cpu-small", "--device", "cpu", "--rounds", "2"]
     args += ["--warmup", "0", "--compile-backend", "aot_eager", *TINY_ARGS]
     args += ["--strategies", ",".join(["torch", *COMPILED])]

@@ -1,9 +1,11 @@
-"""Every private torch name the compiled path uses, each behind a named release gate.
+"""Every private torch name matepoint's compiled path uses, each behind a named release gate.
 
-The rest of ``matepoint_compat._compile`` (and matepoint's core, through it) reaches torch's
-compiler internals only through this module: a shim is found here, with the release from which
-it can go. Names that are private by convention only (node ``meta`` keys, op and node names
-that torch's passes write) count too: a torch release that renames them breaks the path here.
+The compiled path's passes (``matepoint._compiled``) reach torch's compiler internals only
+through this module, by the names in its ``__all__`` (re-exported by ``matepoint_compat``): a
+shim is found here, with the release from which it can go. Names that are private by convention
+only (node ``meta`` keys, op and node names that torch's passes write) count too: a torch
+release that renames them breaks the path here. So does :func:`nbytes_hint`, the one public
+torch function whose spelling differs between the releases the path supports.
 
 Gates (from ``matepoint_compat._version``):
 
@@ -29,7 +31,37 @@ from torch.fx.node import has_side_effect
 
 from matepoint_compat._version import TORCH_2_11_PLUS, TORCH_2_12_PLUS
 
-__all__ = ["COMPILED_OFFLOAD", "STREAM_COPIES_CACHEABLE", "run_at_trace_time"]
+__all__ = [
+    "ANNOTATION_META",
+    "ASYNC_OFFLOAD_OP",
+    "ASYNC_WAIT_OP",
+    "COMPILED_OFFLOAD",
+    "COMPILE_SETTINGS",
+    "INDUCTOR_GRAPH_ENTRY",
+    "JOINT_PASS_SETTING",
+    "OFFLOADING_ENTRY",
+    "OFFLOAD_PREFIX",
+    "OFFLOAD_SETTING",
+    "REGION_META",
+    "RELOAD_PREFETCH_SETTING",
+    "RELOAD_PREFIX",
+    "SEPARATE_STREAM_SETTING",
+    "SHOULD_OFFLOAD_META",
+    "SINK_WAIT_SETTING",
+    "STREAM_COPIES_CACHEABLE",
+    "STREAM_COPY_PATTERN",
+    "STREAM_SETTINGS",
+    "TANGENT_PLACEHOLDER",
+    "functorch_config",
+    "inductor_order_kept",
+    "mend_record_stream",
+    "nbytes_hint",
+    "on_compile_end",
+    "op_name",
+    "run_at_trace_time",
+    "traced_user_stack",
+    "wrap_once",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -51,7 +83,8 @@ functorch_config: ModuleType = torch._functorch.config
 
 
 # -- graph node metadata and names that torch's passes read and write -------------------------
-# Gate COMPILED_OFFLOAD; each can go with the mechanism that uses it (see the package's Note).
+# Gate COMPILED_OFFLOAD; each can go with the mechanism that uses it (Note [The compiled path]
+# in matepoint._compiled).
 ANNOTATION_META = "custom"
 """``node.meta`` key where ``torch.fx.traceback.annotate`` puts its dict (2.11+)."""
 REGION_META = "ac_graph_id"
@@ -62,6 +95,8 @@ OFFLOAD_PREFIX = "cpu_offload_"
 """Name torch's offloading gives a value's copy to the host (forward graph)."""
 RELOAD_PREFIX = "gpu_reload_"
 """Name torch's offloading gives a value's copy back to the device (backward graph)."""
+TANGENT_PLACEHOLDER = "tangents"
+"""Part of the name AOTAutograd gives a joint graph's tangent inputs (``tangents_1``, ...)."""
 ASYNC_OFFLOAD_OP = "ao::offload"
 ASYNC_WAIT_OP = "ao::wait_tensor"
 """torch 2.12+: a transfer-stream copy is ``ao::offload`` then ``ao::wait_tensor``."""
@@ -77,6 +112,17 @@ STREAM_COPY_PATTERN = (
 )
 """torch 2.11's nodes around one transfer-stream copy (``add_forward_offload_stream_ops``).
 Can go when 2.12 is the oldest supported torch (gate ``TORCH_2_12_PLUS``)."""
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """The name of the op a graph node calls (``"ao::offload"``), without its overload; ``""``
+    for a node that calls none.
+
+    ``OpOverload._schema`` (gate ``COMPILED_OFFLOAD``): torch's offloading passes write the ops
+    this compares. Can go when torch offers an op's schema name publicly.
+    """
+    schema = getattr(node.target, "_schema", None)
+    return "" if node.op != "call_function" or schema is None else str(schema.name)
 
 
 COMPILED_OFFLOAD: bool = (
@@ -214,3 +260,24 @@ def mend_record_stream() -> None:
     record_stream: Any = streams.record_stream
     record_stream.register_fake(lambda tensor, stream_index: None)
     has_side_effect(torch.ops.streams.record_stream.default)
+
+
+# -- symbolic sizes --------------------------------------------------------------------------
+
+
+def nbytes_hint(value: torch.Tensor) -> int:
+    """Bytes of a traced value; with dynamic shapes, those of the example it was traced with.
+
+    A symbolic size's example is read without adding a guard (a size test must not specialize
+    the graph), with ``optimization_hint`` of ``torch.fx.experimental.symbolic_shapes``, or its
+    older spelling ``hint_int`` where torch lacks it (2.11 does; 2.13 has it). Shim: the
+    fallback can go when the oldest supported torch has ``optimization_hint``.
+    """
+    nbytes: Any = value.numel() * value.element_size()  # a SymInt with dynamic shapes
+    if isinstance(nbytes, int):
+        return nbytes
+    from torch.fx.experimental import symbolic_shapes
+
+    names: Any = symbolic_shapes
+    hint = getattr(names, "optimization_hint", None) or names.hint_int
+    return int(hint(nbytes, fallback=1 << 62))

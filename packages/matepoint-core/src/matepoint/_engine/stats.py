@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matepoint_compat as compat
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["Counters", "OffloadStats", "format_bytes", "format_report", "rss_bytes"]
 
@@ -40,7 +41,7 @@ class _CounterFields:
     skipped_parameters: int = 0
     skipped_other: int = 0
 
-    def add(self, other: _CounterFields | compat.CompiledTrafficCounts) -> None:
+    def add(self, other: DataclassInstance) -> None:
         """Add every field of ``other`` to this one's field of the same name (``self`` has all).
 
         ``other`` may also be the compiled graphs' counts, whose fields are some of these.

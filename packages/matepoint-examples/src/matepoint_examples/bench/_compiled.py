@@ -45,6 +45,7 @@ from torch import Tensor
 
 import matepoint
 import matepoint_compat
+from matepoint._compiled import regions
 from matepoint_examples.bench._compile_caches import CompileStepCaches
 
 __all__ = [
@@ -193,7 +194,7 @@ def mark_checkpoint_inputs(gm: torch.fx.GraphModule, joint_inputs: Any) -> torch
         ``gm``, marked.
     """
     del joint_inputs
-    forward = matepoint_compat.forward_nodes(gm.graph)
+    forward = regions.forward_nodes(gm.graph)
     starts = [
         node
         for node in gm.graph.nodes
@@ -208,14 +209,14 @@ def mark_checkpoint_inputs(gm: torch.fx.GraphModule, joint_inputs: Any) -> torch
     ]
     seen: set[torch.fx.Node] = set()
     for start in starts:
-        producers = [node for node, _ in matepoint_compat.producers_outside_regions(start)]
+        producers = [node for node, _ in regions.producers_outside_regions(start)]
         for node in [start, *producers]:
             if node in seen:
                 continue
             seen.add(node)
             nbytes = _offloadable(node)
             if nbytes:
-                matepoint_compat.mark_for_offload(node)
+                regions.mark_for_offload(node)
                 MARKS.values += 1
                 MARKS.bytes += nbytes
     return gm

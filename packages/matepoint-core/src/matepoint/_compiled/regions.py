@@ -3,7 +3,7 @@
 Dynamo traces ``matepoint.checkpoint`` as torch's checkpoint with the body annotated
 (:func:`annotate_offload`); in the joint graph, :func:`region_inputs` finds the values those
 regions read from outside, and :func:`mark_for_offload` asks the partitioner's offloading to
-move one if it is saved. See Note [The compiled path] in ``matepoint._compiled``.
+move one if it is saved. See Note [The compiled path] in ``matepoint._compiled``, rule 2.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Any, cast
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from matepoint_compat._compile import _torch_names
+import matepoint_compat as compat
 
 __all__ = [
     "annotate_offload",
+    "copies_named",
     "forward_nodes",
     "mark_for_offload",
-    "nbytes_hint",
     "offloaded_nodes",
     "producers_outside_regions",
     "recompute_all_context_fn",
@@ -85,7 +85,7 @@ def forward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """The nodes of a joint graph that do not depend on a tangent (its forward part)."""
     backward: set[torch.fx.Node] = set()
     for node in graph.nodes:
-        tangent = node.op == "placeholder" and "tangents" in str(node.target)
+        tangent = node.op == "placeholder" and compat.TANGENT_PLACEHOLDER in str(node.target)
         if tangent or not backward.isdisjoint(node.all_input_nodes):
             backward.add(node)
     return set(graph.nodes) - backward
@@ -112,33 +112,16 @@ def region_inputs(
         if node.op != "call_function" or node not in forward or not isinstance(value, torch.Tensor):
             continue
         # A user outside every region has none: it is left out.
-        region = node.meta.get(_torch_names.REGION_META)
+        region = node.meta.get(compat.REGION_META)
         annotations = [
-            user.meta[_torch_names.ANNOTATION_META][_ANNOTATION_KEY]
+            user.meta[compat.ANNOTATION_META][_ANNOTATION_KEY]
             for user in node.users
             if user in forward
-            and user.meta.get(_torch_names.REGION_META, region) != region
-            and _ANNOTATION_KEY in user.meta.get(_torch_names.ANNOTATION_META, {})
+            and user.meta.get(compat.REGION_META, region) != region
+            and _ANNOTATION_KEY in user.meta.get(compat.ANNOTATION_META, {})
         ]
         if annotations:
             yield node, value, annotations
-
-
-def nbytes_hint(value: torch.Tensor) -> int:
-    """Bytes of a traced value; with dynamic shapes, those of the example it was traced with.
-
-    A symbolic size's example is read without adding a guard (a size test must not specialize
-    the graph), with ``optimization_hint`` of ``torch.fx.experimental.symbolic_shapes``, or its
-    older spelling ``hint_int`` where torch lacks it (2.11 does).
-    """
-    nbytes: Any = value.numel() * value.element_size()  # a SymInt with dynamic shapes
-    if isinstance(nbytes, int):
-        return nbytes
-    from torch.fx.experimental import symbolic_shapes
-
-    names: Any = symbolic_shapes
-    hint = getattr(names, "optimization_hint", None) or names.hint_int
-    return int(hint(nbytes, fallback=1 << 62))
 
 
 def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.Tensor]]:
@@ -150,7 +133,7 @@ def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.No
     outside the regions: a region node it reaches is yielded but not walked through, and graph
     inputs (parameters, the model's inputs) are not yielded.
     """
-    pending = [] if _torch_names.REGION_META in node.meta else list(node.all_input_nodes)
+    pending = [] if compat.REGION_META in node.meta else list(node.all_input_nodes)
     seen: set[torch.fx.Node] = set()
     while pending:
         current = pending.pop()
@@ -160,13 +143,13 @@ def producers_outside_regions(node: torch.fx.Node) -> Iterator[tuple[torch.fx.No
         value = current.meta.get("val")
         if isinstance(value, torch.Tensor):
             yield current, value
-        if _torch_names.REGION_META not in current.meta:
+        if compat.REGION_META not in current.meta:
             pending.extend(current.all_input_nodes)
 
 
 def mark_for_offload(node: torch.fx.Node) -> None:
     """Ask the partitioner's activation offloading to move this value if it is saved."""
-    node.meta[_torch_names.SHOULD_OFFLOAD_META] = True
+    node.meta[compat.SHOULD_OFFLOAD_META] = True
 
 
 def copies_named(graph: torch.fx.Graph, prefix: str) -> list[torch.fx.Node]:
@@ -183,4 +166,4 @@ def offloaded_nodes(graph: torch.fx.GraphModule) -> list[str]:
     The partitioner names the host copy of value ``v`` ``cpu_offload_v``: the ``device_put`` of
     the synchronous path, the ``ao.wait_tensor`` of the asynchronous one.
     """
-    return [node.name for node in copies_named(graph.graph, _torch_names.OFFLOAD_PREFIX)]
+    return [node.name for node in copies_named(graph.graph, compat.OFFLOAD_PREFIX)]

@@ -1,56 +1,40 @@
 """Let a compiled forward's copies to the host run on under compute, within a byte bound.
 
 Note [The forward copy window]
-    torch's compiled activation offloading, on its transfer stream, makes the compute stream
-    wait for each copy right after starting it; its other placement,
-    ``activation_offload_sink_wait``, moves every wait to the end of the forward, which keeps
-    every offloaded value on the device until then (no device memory saved by a whole-model
-    compile). matepoint's eager engine lets copies run on under compute, bounded by bytes
-    (``max_inflight_bytes``); this does the same to a compiled forward. Walking the copies in
-    graph order, a copy's wait moves to just before the start of the first later copy that
-    would put more than ``max_inflight_bytes``, or more than ``copies_in_flight`` copies, in
-    flight (oldest first), and the waits still pending at the end go just before the forward
-    returns, so everything the forward hands to backward is on the host by then. A copy larger
-    than the bound on its own keeps torch's placement.
-
-    Why one copy in flight by default (``COPIES_IN_FLIGHT``): the placement is static, so a
-    value stays on the device until its wait is reached even when its copy ended long before
-    (the eager engine frees it when the copy ends). The copies share one transfer stream, so
-    letting a copy run under the next block's compute is what overlaps them; more copies
-    pending only hold more memory. Measured on an H200 (torch 2.11, 16 blocks of width 1024,
-    8,192 tokens, bf16, 10 paired rounds, step time of torch's checkpoint under compile): one
-    copy in flight 1.122, two 1.133, every wait at the end of forward 1.136, torch's placement
-    1.365. On the benchmark's deep stacks inductor then moved every copy to the end of the
-    forward, which undid the window (Note [Inductor's peak-memory reorder] in
-    ``matepoint_compat._compile._inductor_order`` says why and how matepoint's graphs avoid it).
-
-    Lifetime: the value being copied must stay on the device until the compute stream has
-    waited for its copy. torch 2.12+'s ``ao::wait_tensor`` takes it as a keep-alive argument.
-    torch 2.11's stream ops do not: its ``record_stream`` before the copy covers the caching
-    allocator, but not a compiler reusing the freed buffer in place for a later kernel. So a
-    moved 2.11 wait is preceded by a second ``record_stream`` of the value, which makes the value
-    live until there in every backend's lifetime analysis.
-
-    Ordering on torch 2.11: its stream ops carry no data dependencies, and inductor emits a
-    pointwise kernel where its result is first needed (lazy realization), which may be after
-    the compute stream's event that the transfer stream waits on before copying (seen in
-    inductor's generated code: a block's residual add emitted between ``fork`` and ``join``).
-    A copied value first needed by the copy itself would then be copied before it is computed.
-    So its ``record_stream``, which takes the value and so realizes it, moves to just before
-    that event: the value is computed before the event, whatever the window. torch 2.12+'s
-    ``ao::offload`` takes the value as an argument and orders its copy itself.
-
-    Where: torch's partitioner calls ``enable_activation_offloading`` (looked up in its module at
-    each call) right after matepoint's joint-graph pass has marked the values; the wrapper
-    installed by ``matepoint_compat._compile._scope`` runs it, then moves the waits of that
-    one forward graph when matepoint asked for a window while marking it. A graph whose copies
-    do not have the shape expected of the installed torch keeps torch's placement (correct,
-    only slower), with a warning.
-
+    torch's compiled offloading, on its transfer stream, makes the compute stream wait for each
+    copy right after starting it; its other placement, ``activation_offload_sink_wait``, moves
+    every wait to the end of the forward, which keeps every offloaded value on the device until
+    then. matepoint's eager engine lets copies run on under compute, bounded by bytes
+    (``max_inflight_bytes``); this does the same to a compiled forward.
+    Rule 1. Walking the copies in graph order, a copy's wait moves to just before the start of
+            the first later copy that would put more than ``max_inflight_bytes``, or more than
+            ``copies_in_flight`` copies, in flight (oldest first); the waits still pending go
+            just before the forward returns, so all it hands to backward is on the host by then.
+            A copy larger than the bound on its own keeps torch's placement.
+    Rule 2. One copy in flight by default (``COPIES_IN_FLIGHT``). The placement is static: a
+            value stays on the device until its wait is reached, even when its copy ended long
+            before. The copies share one transfer stream, so one copy running under the next
+            block's compute is the overlap; more pending only hold more memory
+            (docs/benchmarks.md, "The forward", measures one, two and every wait at the end).
+    Rule 3. A copied value stays on the device until the compute stream has waited for its
+            copy. torch 2.12+'s ``ao::wait_tensor`` takes it as a keep-alive argument. torch
+            2.11's ``record_stream`` before the copy covers the caching allocator, not a
+            compiler reusing the freed buffer in place for a later kernel, so a moved 2.11 wait
+            is preceded by a second ``record_stream`` of the value, which keeps it live until
+            there in every backend's lifetime analysis.
+    Rule 4. A copied value is computed before the copy starts. torch 2.11's stream ops carry no
+            data dependencies, and inductor emits a pointwise kernel where its result is first
+            needed, which may be after the event the transfer stream waits on; so the value's
+            ``record_stream``, which takes the value, moves to just before that event, whatever
+            the window. torch 2.12+'s ``ao::offload`` takes the value and orders itself.
+    Rule 5. Only the forward graph matepoint's joint pass asked a window for is changed: the
+            wrapper of ``enable_activation_offloading`` in ``matepoint._compiled.scope`` moves
+            its waits right after torch's offloading put the copies in. A graph whose copies are
+            not laid out as the installed torch lays them out keeps torch's placement (correct,
+            only slower), with a warning.
     The 2.11 parts (the ``device_put`` layout in :func:`find_copies`, ``_Copy.record_stream``:
-    the keep-alive and the moved ``record_stream``) can go when torch 2.12 is the oldest release
-    the compiled path supports (gate ``TORCH_2_12_PLUS``); the window itself stays as long as
-    torch places the waits as above.
+    rules 3 and 4) can go when torch 2.12 is the oldest release the compiled path supports (gate
+    ``TORCH_2_12_PLUS``); the window stays as long as torch places the waits as above.
 """
 
 from __future__ import annotations
@@ -60,10 +44,15 @@ from dataclasses import dataclass
 
 import torch
 
-from matepoint_compat._compile import _torch_names
-from matepoint_compat._compile._regions import nbytes_hint
+import matepoint_compat as compat
 
-__all__ = ["FORWARD_WINDOW_COUNTS", "ForwardWindowCounts", "bound_forward_waits"]
+__all__ = [
+    "COPIES_IN_FLIGHT",
+    "FORWARD_WINDOW_COUNTS",
+    "ForwardWindowCounts",
+    "bound_forward_waits",
+    "find_copies",
+]
 
 
 @dataclass
@@ -82,17 +71,12 @@ class UnexpectedShape(Exception):
     """The copies in a forward graph are not laid out as the installed torch lays them out."""
 
 
-def _op_name(node: torch.fx.Node) -> str:
-    schema = getattr(node.target, "_schema", None)
-    return "" if node.op != "call_function" or schema is None else str(schema.name)
-
-
 def _copied(copy: torch.fx.Node) -> tuple[torch.fx.Node, int]:
     """The value a copy node copies, and its bytes (raises unless it is a traced tensor)."""
     value = copy.args[0]
     if not isinstance(value, torch.fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
         raise UnexpectedShape(f"the value {copy.name} copies has no tensor metadata")
-    return value, nbytes_hint(value.meta["val"])
+    return value, compat.nbytes_hint(value.meta["val"])
 
 
 def find_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
@@ -105,15 +89,15 @@ def find_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
     """
     copies = []
     for index, node in enumerate(nodes):
-        name = _op_name(node)
-        if name == _torch_names.ASYNC_OFFLOAD_OP:
+        name = compat.op_name(node)
+        if name == compat.ASYNC_OFFLOAD_OP:
             wait = next(iter(node.users), node)  # its one user
-            if _op_name(wait) != _torch_names.ASYNC_WAIT_OP or wait.args[1:2] != node.args[:1]:
+            if compat.op_name(wait) != compat.ASYNC_WAIT_OP or wait.args[1:2] != node.args[:1]:
                 raise UnexpectedShape(f"{node.name} has no wait that keeps its value alive")
             copies.append(_Copy(node, wait, *_copied(node)))
-        elif name == "prims::device_put" and node.name.startswith(_torch_names.OFFLOAD_PREFIX):
+        elif name == "prims::device_put" and node.name.startswith(compat.OFFLOAD_PREFIX):
             group = nodes[max(index - 4, 0) : index + 4]
-            if tuple(map(_op_name, group)) != _torch_names.STREAM_COPY_PATTERN:
+            if tuple(map(compat.op_name, group)) != compat.STREAM_COPY_PATTERN:
                 raise UnexpectedShape(f"the stream ops around {node.name} are not torch 2.11's")
             if group[3].args[:1] != node.args[:1]:
                 raise UnexpectedShape(f"{group[3].name} does not name what {node.name} copies")
@@ -122,14 +106,16 @@ def find_copies(nodes: list[torch.fx.Node]) -> list[_Copy]:
 
 
 def _move_wait(copy: _Copy, before: torch.fx.Node) -> None:
-    """Move ``copy``'s wait before ``before``; on 2.11 keep its value alive until the wait."""
+    """Move ``copy``'s wait before ``before``; on 2.11 keep its value alive until the wait (see
+    Note [The forward copy window], rule 3)."""
     before.prepend(copy.wait)
     if copy.record_stream is not None:
         copy.wait.prepend(copy.wait.graph.node_copy(copy.record_stream))
 
 
 COPIES_IN_FLIGHT = 1
-"""How many forward copies may run on under compute (see Note [The forward copy window])."""
+"""How many forward copies may run on under compute (see Note [The forward copy window], rule
+2)."""
 
 
 def bound_forward_waits(
@@ -137,10 +123,10 @@ def bound_forward_waits(
 ) -> int:
     """Move the waits for a forward graph's host copies later, within the window's bounds.
 
-    See Note [The forward copy window]. Either every wait moves as the note says, or (on a graph
-    whose copies are not laid out as the installed torch lays them out) none does. On torch
-    2.11's layout each copied value is also made to be computed before the transfer stream's
-    wait (the note's "Ordering"), whatever the bounds.
+    See Note [The forward copy window], rule 1. Either every wait moves as the note says, or (on
+    a graph whose copies are not laid out as the installed torch lays them out) none does. On
+    torch 2.11's layout each copied value is also made to be computed before the transfer
+    stream's wait (rule 4), whatever the bounds.
 
     Args:
         graph: A partitioned forward graph, after torch's activation offloading put its copies
@@ -169,7 +155,7 @@ def bound_forward_waits(
         return 0
     FORWARD_WINDOW_COUNTS.copies += len(copies)
     for copy in copies:
-        if copy.record_stream is not None:
+        if copy.record_stream is not None:  # See Note [The forward copy window], rule 4.
             copy.start.prepend(copy.record_stream)
     if max_inflight_bytes <= 0 or copies_in_flight <= 0:
         return 0

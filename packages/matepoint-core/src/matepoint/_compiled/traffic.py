@@ -1,16 +1,20 @@
 """Count what a compiled graph moves to the host and back, each time it runs.
 
 Note [Counting compiled copies]
-    The copies of the compiled path are ops of torch's compiled graphs; matepoint's engine never
-    sees them. So when the partitioner has put them in a matepoint graph, the forward gets one
-    op that adds the forward's copies to the host (how many, their bytes) to
-    :data:`COMPILED_TRAFFIC`, and the backward one that adds its copies back, both counted from
-    the graph when it is compiled: one Python call per graph run, nothing per tensor.
-    ``matepoint.stats()`` adds these counts to its offloads and fetches. The bytes are the
-    traced sizes (with dynamic shapes, those of the example the graph was traced with), counted
-    when the graph starts (a graph that raises midway has counted its copies). A graph served
-    by a compile cache carries its count op with it. A CUDA graph replay (``mode=
-    "reduce-overhead"``) runs kernels only, so its runs are not counted.
+    The compiled path's copies are ops of torch's compiled graphs: matepoint's engine never sees
+    them, yet ``matepoint.stats()`` counts them among its offloads and fetches.
+    Rule 1. When the partitioner has put the copies in a matepoint graph, the graph gets one
+            count op, first after its inputs: a forward's adds its copies to the host (how many,
+            their bytes) to :data:`COMPILED_TRAFFIC`, a backward's its copies back. The counts
+            are read from the graph when it is compiled: one Python call per graph run, nothing
+            per tensor.
+    Rule 2. The bytes are the traced sizes (with dynamic shapes, those of the example the graph
+            was traced with), counted when the graph starts: a graph that raises midway has
+            counted its copies.
+    Rule 3. A graph served by a compile cache carries its count op with it, so the op is
+            registered before such a graph can be loaded (every matepoint compile asks for it).
+            A CUDA graph replay (``mode="reduce-overhead"``) runs kernels only: its runs are not
+            counted.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from typing import Any
 import torch
 from torch.fx.node import has_side_effect
 
-from matepoint_compat._compile._regions import copies_named, nbytes_hint
-from matepoint_compat._compile._torch_names import OFFLOAD_PREFIX, RELOAD_PREFIX
+import matepoint_compat as compat
+from matepoint._compiled.regions import copies_named
 
-__all__ = ["COMPILED_TRAFFIC", "CompiledTrafficCounts"]
+__all__ = ["COMPILED_TRAFFIC", "CompiledTrafficCounts", "count_graph_copies", "count_op"]
 
 
 @dataclass
@@ -58,8 +62,12 @@ _LOCK = threading.Lock()
 
 @functools.cache
 def count_op() -> Any:
-    """``matepoint_compat::count_copies(to_host, tensors, nbytes)``, registered once (before a
-    cached graph that calls it can be loaded: every matepoint compile asks for it)."""
+    """``matepoint_compat::count_copies(to_host, tensors, nbytes)``, registered once (see Note
+    [Counting compiled copies], rule 3).
+
+    The op keeps the namespace it had when this module was part of ``matepoint_compat``:
+    graphs in torch's compile caches call it by that name.
+    """
 
     @torch.library.custom_op("matepoint_compat::count_copies", mutates_args=())
     def count_copies(to_host: bool, tensors: int, nbytes: int) -> None:
@@ -79,12 +87,14 @@ def count_op() -> Any:
 
 def count_graph_copies(graph_module: torch.fx.GraphModule, *, to_host: bool) -> None:
     """Put the count op into a matepoint graph, after torch's copies: those to the host in a
-    forward (``to_host``), those back to the device in a backward."""
-    copies = copies_named(graph_module.graph, OFFLOAD_PREFIX if to_host else RELOAD_PREFIX)
+    forward (``to_host``), those back to the device in a backward (Note [Counting compiled
+    copies], rule 1)."""
+    prefix = compat.OFFLOAD_PREFIX if to_host else compat.RELOAD_PREFIX
+    copies = copies_named(graph_module.graph, prefix)
     if not copies:
         return
     values = [node.meta.get("val") for node in copies]
-    nbytes = sum(nbytes_hint(value) for value in values if isinstance(value, torch.Tensor))
+    nbytes = sum(compat.nbytes_hint(value) for value in values if isinstance(value, torch.Tensor))
     # First, after the inputs: a node with no inputs changes no buffer's lifetime (inductor
     # emits a graph's last pointwise kernel lazily, and freed its inputs early when the count
     # came just before the output).

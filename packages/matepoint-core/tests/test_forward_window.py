@@ -1,4 +1,4 @@
-"""Tests for the forward copy window (``matepoint_compat._compile._forward_window``).
+"""Tests for the forward copy window (``matepoint._compiled.forward_window``).
 
 The forward graphs are laid out by torch's own offloading functions, so the window is checked
 against the layout the installed torch really produces: torch 2.11's stream ops around a
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import matepoint_compat as compat
-from matepoint_compat._compile import _forward_window, _scope
+from matepoint._compiled import forward_window, scope
 
 _STREAM_SETTINGS = (
     "activation_offload_separate_stream",
@@ -79,7 +79,7 @@ def forward_graph(sizes: list[int]) -> tuple[torch.fx.Graph, list[torch.fx.Node]
 
 def copies_of(graph: torch.fx.Graph) -> list[Any]:
     nodes = list(graph.nodes)
-    return sorted(_forward_window.find_copies(nodes), key=lambda copy: nodes.index(copy.start))
+    return sorted(forward_window.find_copies(nodes), key=lambda copy: nodes.index(copy.start))
 
 
 _WAITS_AND_KEEP_ALIVES = {"streams::wait_event", "streams::record_stream", "ao::wait_tensor"}
@@ -87,7 +87,7 @@ _WAITS_AND_KEEP_ALIVES = {"streams::wait_event", "streams::record_stream", "ao::
 
 def _is_stream_op(node: torch.fx.Node) -> bool:
     """A node that only orders streams (it allocates nothing a buffer could be reused for)."""
-    return _forward_window._op_name(node).split("::")[0] in ("streams", "ao")
+    return compat.op_name(node).split("::")[0] in ("streams", "ao")
 
 
 def layout(graph: torch.fx.Graph, copies: list[Any]) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def layout(graph: torch.fx.Graph, copies: list[Any]) -> dict[str, Any]:
     for number, copy in enumerate(copies):
         wait = index[copy.wait]
         following = wait + 1
-        while _forward_window._op_name(nodes[following]) in _WAITS_AND_KEEP_ALIVES:
+        while compat.op_name(nodes[following]) in _WAITS_AND_KEEP_ALIVES:
             following += 1
         if nodes[following].op == "output":
             places.append("end")
@@ -163,10 +163,10 @@ def test_waits_move_as_far_as_the_bounds_allow(
 ) -> None:
     graph, _ = forward_graph(sizes)
     copied = copies_of(graph)
-    before = dataclasses.replace(compat.FORWARD_WINDOW_COUNTS)
-    assert compat.bound_forward_waits(graph, bound, copies) == moved
+    before = dataclasses.replace(forward_window.FORWARD_WINDOW_COUNTS)
+    assert forward_window.bound_forward_waits(graph, bound, copies) == moved
     # The process's counts add the graph, its copies and the waits moved.
-    after = compat.FORWARD_WINDOW_COUNTS
+    after = forward_window.FORWARD_WINDOW_COUNTS
     added = (after.graphs - before.graphs, after.copies - before.copies)
     assert (*added, after.waits_moved - before.waits_moved) == (1, len(copied), moved)
     graph.lint()
@@ -184,7 +184,7 @@ def test_a_graph_of_unexpected_shape_keeps_torchs_placement() -> None:
     # Break the layout torch 2.11 uses (the record_stream before a copy) or 2.12+'s (the
     # keep-alive argument of a wait).
     for node in graph.nodes:
-        name = _forward_window._op_name(node)
+        name = compat.op_name(node)
         if name == "streams::record_stream":
             graph.erase_node(node)
             break
@@ -193,7 +193,7 @@ def test_a_graph_of_unexpected_shape_keeps_torchs_placement() -> None:
             break
     before = [node.name for node in graph.nodes]
     with pytest.warns(RuntimeWarning, match="keep torch's placement"):
-        assert compat.bound_forward_waits(graph, 1 << 30) == 0
+        assert forward_window.bound_forward_waits(graph, 1 << 30) == 0
     assert [node.name for node in graph.nodes] == before
 
 
@@ -211,7 +211,7 @@ def fake_offloading(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     seen: list[int] = []
     monkeypatch.setattr(module, "enable_activation_offloading", lambda *args, **kwargs: None)
     monkeypatch.setattr(
-        _forward_window,
+        forward_window,
         "bound_forward_waits",
         lambda graph, bound: seen.append(bound) or 0,
     )
@@ -219,16 +219,16 @@ def fake_offloading(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield seen
     for name, value in saved.items():
         setattr(config, name, value)
-    _scope._REQUEST.copies = None
+    scope._REQUEST.copies = None
 
 
 def test_a_window_asked_for_reaches_only_the_next_graph(fake_offloading: list[int]) -> None:
     module = _offloading_module()
     forward = empty_graph()
-    compat.compiled_offload_config(pipelined=True, max_inflight_bytes=1234)
+    scope.compiled_offload_config(pipelined=True, max_inflight_bytes=1234)
     wrapped = module.enable_activation_offloading
     assert wrapped.matepoint_wrapper
-    compat.compiled_offload_config(pipelined=True, max_inflight_bytes=1234)  # wraps it once only
+    scope.compiled_offload_config(pipelined=True, max_inflight_bytes=1234)  # wraps it once only
     assert module.enable_activation_offloading is wrapped
     wrapped(forward, empty_graph(), 0, set())
     wrapped(forward, empty_graph(), 0, set())
@@ -243,10 +243,10 @@ def test_a_window_asked_for_in_one_thread_does_not_reach_another(
     module = _offloading_module()
     reached: list[torch.fx.Graph] = []
     monkeypatch.setattr(
-        _forward_window, "bound_forward_waits", lambda graph, bound: reached.append(graph) or 0
+        forward_window, "bound_forward_waits", lambda graph, bound: reached.append(graph) or 0
     )
     mine, theirs = empty_graph(), empty_graph()
-    compat.compiled_offload_config(pipelined=True, max_inflight_bytes=1234)
+    scope.compiled_offload_config(pipelined=True, max_inflight_bytes=1234)
     other = threading.Thread(
         target=module.enable_activation_offloading, args=(theirs, empty_graph(), 0, set())
     )
@@ -261,7 +261,7 @@ def test_the_config_asks_for_the_window_with_the_transfer_stream_only(
 ) -> None:
     forward = empty_graph()
     for pipelined, bound in [(False, 4096), (True, 0), (True, 4096)]:
-        compat.compiled_offload_config(pipelined=pipelined, max_inflight_bytes=bound)
+        scope.compiled_offload_config(pipelined=pipelined, max_inflight_bytes=bound)
         _offloading_module().enable_activation_offloading(forward, empty_graph(), 0, set())
     # Synchronous copies: torch's graph as it is; with the stream, bound 0 too (torch's
     # placement, with 2.11's copies made safe).

@@ -4,18 +4,18 @@ does to its graphs right after torch's offloading put the copies in them.
 Note [Compile settings are scoped]
     torch's compiled offloading is driven by process-wide settings of AOTAutograd
     (``torch._functorch.config``: the joint-graph pass, offloading on, and how the copies run),
-    which it reads after Dynamo's trace, while it compiles the traced graph. matepoint sets them
-    when Dynamo traces a matepoint region (:func:`open_compile_scope`, from the trace-time
-    resolution of the region's choices) under one ``config.patch``, and the patch is undone when
-    that compile ends (Dynamo's end-of-compile callback, which runs also when the compile
-    fails): after a compiled step every setting is what it was before. The joint pass sets the
-    copy settings of the graph it marks (:func:`compiled_offload_config`) inside the same patch.
-    Dynamo compiles one frame at a time (its compile lock), so one scope is open at most.
-
-    What stays for the rest of the process, by design: the two wrappers of torch functions that
-    act only on graphs matepoint marked (``enable_activation_offloading``, inductor's
-    ``_compile_fx_inner``), the count op's registration, and on torch 2.11 the mend of
-    ``streams::record_stream`` (``_torch_names.mend_record_stream``).
+    read after Dynamo's trace, while the traced graph compiles.
+    Rule 1. matepoint sets them when Dynamo traces a matepoint region (:func:`open_compile_scope`,
+            from the trace-time resolution of the region's choices), under one ``config.patch``
+            that is undone when that compile ends (Dynamo's end-of-compile callback, which runs
+            also when the compile fails): after a compiled step every setting is what it was.
+    Rule 2. The joint pass sets the copy settings of the graph it marks
+            (:func:`compiled_offload_config`) inside the same patch, so they are undone with it.
+    Rule 3. At most one scope is open: Dynamo compiles one frame at a time (its compile lock).
+    Rule 4. What stays for the rest of the process, by design: the two wrappers of torch
+            functions, which act only on graphs matepoint marked (``enable_activation_offloading``
+            and inductor's ``_compile_fx_inner``), the count op's registration, and on torch 2.11
+            the mend of ``streams::record_stream`` (``matepoint_compat.mend_record_stream``).
 
 After the copies: torch's partitioner calls ``enable_activation_offloading`` (looked up in its
 module at each call) right after the joint-graph pass; a wrapper installed once per process runs
@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 
-from matepoint_compat._compile import _forward_window, _torch_names
-from matepoint_compat._compile._inductor_order import keep_order
-from matepoint_compat._compile._traffic import count_graph_copies, count_op
+import matepoint_compat as compat
+from matepoint._compiled import forward_window
+from matepoint._compiled.inductor_order import keep_order
+from matepoint._compiled.traffic import count_graph_copies, count_op
 
 __all__ = ["close_compile_scope", "compiled_offload_config", "open_compile_scope"]
 
@@ -50,7 +51,7 @@ _open_scope: contextlib.ExitStack | None = None
 
 def open_compile_scope(own: _JointPass) -> None:
     """Set the settings the compile in progress needs, until it ends (Note [Compile settings are
-    scoped]).
+    scoped], rules 1 and 3).
 
     ``own`` runs on every joint graph of this compile, after any pass the user set; offloading is
     on (it acts only on marked nodes, so graphs without matepoint regions compile as before).
@@ -59,10 +60,10 @@ def open_compile_scope(own: _JointPass) -> None:
     global _open_scope
     if _open_scope is not None:
         return
-    config = _torch_names.functorch_config
+    config = compat.functorch_config
     # Every setting the compile may change, to be restored as it is now when the scope closes.
-    settings = {name: getattr(config, name) for name in _torch_names.COMPILE_SETTINGS}
-    previous = settings[_torch_names.JOINT_PASS_SETTING]
+    settings = {name: getattr(config, name) for name in compat.COMPILE_SETTINGS}
+    previous = settings[compat.JOINT_PASS_SETTING]
 
     def joint_pass(graph: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
         """The one found in torch's settings first (None when unset), then matepoint's."""
@@ -70,11 +71,11 @@ def open_compile_scope(own: _JointPass) -> None:
             graph = previous(graph, joint_inputs)
         return own(graph, joint_inputs)
 
-    settings |= {_torch_names.JOINT_PASS_SETTING: joint_pass, _torch_names.OFFLOAD_SETTING: True}
+    settings |= {compat.JOINT_PASS_SETTING: joint_pass, compat.OFFLOAD_SETTING: True}
     _open_scope = contextlib.ExitStack()
     _open_scope.enter_context(config.patch(settings))
-    count_op()  # registered before a cached graph that calls it can be loaded
-    _torch_names.on_compile_end(close_compile_scope)
+    count_op()  # See Note [Counting compiled copies], rule 3.
+    compat.on_compile_end(close_compile_scope)
 
 
 def close_compile_scope(compile_end: object = None) -> None:
@@ -101,9 +102,9 @@ def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> 
     ``max_inflight_bytes`` above 0, each forward wait moves only as far as that bound allows
     (Note [The forward copy window]); at 0 the compute stream waits for each copy right after
     starting it. Called from matepoint's joint pass, inside the compile's scope (Note [Compile
-    settings are scoped]), which restores the settings when the compile ends; they act only on
-    marked values. On torch 2.11, choosing the transfer stream first mends its ``record_stream``
-    op (``_torch_names.mend_record_stream``).
+    settings are scoped], rule 2), which restores the settings when the compile ends; they act
+    only on marked values. On torch 2.11, choosing the transfer stream first mends its
+    ``record_stream`` op (``matepoint_compat.mend_record_stream``).
 
     The partitioner of the same graph calls torch's ``enable_activation_offloading`` right after
     the joint pass; that call (wrapped here, once per process) takes this request and clears it,
@@ -115,13 +116,13 @@ def compiled_offload_config(*, pipelined: bool, max_inflight_bytes: int = 0) -> 
         pipelined: Copy on the transfer stream (else synchronously on the compute stream).
         max_inflight_bytes: With ``pipelined``, the forward copy window's bound in bytes.
     """
-    config = _torch_names.functorch_config
+    config = compat.functorch_config
     if pipelined:
-        _torch_names.mend_record_stream()
-    setattr(config, _torch_names.SEPARATE_STREAM_SETTING, pipelined)
-    setattr(config, _torch_names.SINK_WAIT_SETTING, False)
-    setattr(config, _torch_names.RELOAD_PREFETCH_SETTING, pipelined)
-    _torch_names.wrap_once(_torch_names.OFFLOADING_ENTRY, _wrap)
+        compat.mend_record_stream()
+    setattr(config, compat.SEPARATE_STREAM_SETTING, pipelined)
+    setattr(config, compat.SINK_WAIT_SETTING, False)
+    setattr(config, compat.RELOAD_PREFETCH_SETTING, pipelined)
+    compat.wrap_once(compat.OFFLOADING_ENTRY, _wrap)
     _REQUEST.copies = (pipelined, max_inflight_bytes)
 
 
@@ -155,7 +156,7 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         keep_order(fwd_module, bwd_module)
         if pipelined:
             # Looked up at each call: tests wrap it.
-            _forward_window.bound_forward_waits(fwd_module.graph, max_inflight_bytes)
+            forward_window.bound_forward_waits(fwd_module.graph, max_inflight_bytes)
             fwd_module.graph.lint()
             fwd_module.recompile()
         count_graph_copies(fwd_module, to_host=True)
