@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch.utils.checkpoint as torch_checkpoint
+
 from matepoint._planner.op_kinds import KindProfile
 from matepoint._planner.policy import Decision, context_fn_of, policy_of
 from matepoint._planner.step import StrategyPlan
@@ -87,13 +89,18 @@ class BudgetPlan:
         """
         return policy_of(dict(self.decisions), dict(self.kept_in_last), self.regions, region)
 
-    def context_fn(self) -> Callable[[], Any] | None:
-        """The ``context_fn`` for every checkpoint call (None when everything is recomputed).
+    def context_fn(self) -> Callable[[], Any]:
+        """The ``context_fn`` for every checkpoint call: ``context_fn=plan.context_fn()``.
 
         Each call makes torch's selective-checkpoint contexts around a fresh :meth:`policy` of
-        the next region. Use one per model: it counts the calls it serves.
+        the next region. Use one per model: it counts the calls it serves. A plan that decides
+        nothing (every op recomputed) gives torch's own ``noop_context_fn``, what a checkpoint
+        call without ``context_fn`` runs, so the same call works for every plan; compare with
+        it (``plan.context_fn() is torch.utils.checkpoint.noop_context_fn``) to tell whether a
+        plan has a policy.
         """
-        return context_fn_of(dict(self.decisions), dict(self.kept_in_last), self.regions)
+        context_fn = context_fn_of(dict(self.decisions), dict(self.kept_in_last), self.regions)
+        return torch_checkpoint.noop_context_fn if context_fn is None else context_fn
 
     def settings_changes(self) -> dict[str, Any]:
         """The settings to pass to :func:`matepoint.configure` with it."""
@@ -106,11 +113,11 @@ class BudgetPlan:
             f"  planned peak {self.peak_bytes / _GIB:.2f} GiB; pinned host RAM "
             f"{self.pinned_bytes_per_node / _GIB:.2f} GiB per node ({self.ranks_per_node} "
             "rank(s))",
-            f"  estimated step {self.step_seconds * 1e3:.1f} ms against "
-            f"{self.every_block_seconds * 1e3:.1f} ms for matepoint on every block "
-            f"({self.step_seconds / self.every_block_seconds:.3f})",
+            self._estimate_line(),
             f"  look-ahead (prefetch) {self.prefetch}",
         ]
+        if held := self._inputs_line():
+            lines.append(held)
         if self.measured_seconds:
             lines.append(
                 "  measured "
@@ -138,3 +145,32 @@ class BudgetPlan:
                 f"{kind.flops_per_byte:8.0f} FLOP/byte{where}"
             )
         return "\n".join(lines)
+
+    def _estimate_line(self) -> str:
+        """The estimated step against matepoint on every block, as a ratio where there is one."""
+        line = (
+            f"  estimated step {self.step_seconds * 1e3:.1f} ms against "
+            f"{self.every_block_seconds * 1e3:.1f} ms for matepoint on every block"
+        )
+        if self.every_block_seconds > 0:
+            return f"{line} ({self.step_seconds / self.every_block_seconds:.3f})"
+        # The time model counts matrix-product FLOPs and link bytes: this step has neither.
+        return f"{line} (no ratio: the step has no matrix products or link traffic to time)"
+
+    def _inputs_line(self) -> str | None:
+        """Where the checkpoint inputs are: ``min_offload_bytes`` may hold them on the device.
+
+        Read from the chosen step's counters: inputs below ``min_offload_bytes`` are kept in
+        place (``skipped_small``); the rest are offloaded (offloads less the policy's).
+        """
+        counters = self.strategy_plan.counters
+        held = counters.get("skipped_small", 0)
+        moved = counters.get("offloads", 0) - counters.get("policy_offloads", 0)
+        setting = f"min_offload_bytes={self.min_offload_bytes}"
+        if held and not moved:
+            return f"  checkpoint inputs held on the device ({setting}): no link traffic for them"
+        if held:
+            return (
+                f"  checkpoint inputs: {moved} offloaded, {held} below {setting} held on the device"
+            )
+        return f"  checkpoint inputs offloaded ({setting})" if moved else None

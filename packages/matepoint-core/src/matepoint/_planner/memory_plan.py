@@ -11,6 +11,9 @@ compute time, and it proposes options that fit a device-memory budget.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import operator
 import textwrap
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -95,11 +98,17 @@ class MemoryPlan:
         ``device``.
 
         Args:
-            budget_bytes: Device memory the step may use, parameters and gradients included.
-            host_budget_bytes: Pinned host RAM a node may use, or None for no limit.
-            ranks_per_node: Processes per node, each with its own pool. Default: ``1``.
-            device: Peak rates for the time model. Default: this plan's ``peak_flops`` and
-                ``link_bandwidth`` with an H200's memory bandwidth.
+            budget_bytes: Device memory the step may use, parameters and gradients included:
+                a positive, finite number of bytes.
+            host_budget_bytes: Pinned host RAM a node may use (bytes, 0 or more), or None for
+                no limit. Default: ``None``.
+            ranks_per_node: Processes per node, each with its own pool: a whole number, 1 or
+                more. Default: ``1``.
+            device: The time model's rates, a :class:`~matepoint.DeviceModel`
+                (:func:`matepoint.calibrate` measures one on a GPU). The plan is made on the
+                meta device whatever device trains; this only says how fast that device is.
+                Default: this plan's ``peak_flops`` and ``link_bandwidth``, with
+                :class:`~matepoint.DeviceModel`'s policy cost.
             measure: Times plans on the real device: called with the search's finalists (the
                 fastest plan with a selective-checkpoint policy and the fastest without), it
                 returns each one's step time in seconds, and the faster is chosen (Note
@@ -109,15 +118,24 @@ class MemoryPlan:
         Returns:
             The chosen plan (``fits`` False, and the smallest budget that would fit, if none
             does).
+
+        Raises:
+            TypeError: For an argument of the wrong type (a budget that is not a number, a
+                ``device`` that is not a :class:`~matepoint.DeviceModel`, such as ``"cuda"``).
+            ValueError: For a budget that is zero, negative, NaN or infinite, a negative host
+                budget, or ``ranks_per_node`` below 1.
         """
+        budget, host_budget, ranks = _search_arguments(
+            budget_bytes, host_budget_bytes, ranks_per_node, device, measure
+        )
         link = self.link_bandwidth
         default = DeviceModel(self.peak_flops, to_host_bandwidth=link, to_device_bandwidth=link)
         return fastest_under(
             self.replan,
             self.effective_options,
-            budget_bytes,
-            host_budget_bytes,
-            ranks_per_node,
+            budget,
+            host_budget,
+            ranks,
             device or default,
             measure,
         )
@@ -170,6 +188,58 @@ ESTIMATE_NOTE = (
     "bytes at the given link bandwidth, and FLOPs (torch's flop counter) at the given peak "
     "FLOP/s, which real steps never reach, so real compute takes longer than shown."
 )
+
+
+def _search_arguments(
+    budget_bytes: object,
+    host_budget_bytes: object,
+    ranks_per_node: object,
+    device: object,
+    measure: object,
+) -> tuple[int, int | None, int]:
+    """``fastest_under``'s sizes as whole numbers, after refusing what the search cannot use.
+
+    A wrong type is a TypeError and a wrong value a ValueError, each naming the argument, before
+    any step is planned (deep in the search, a NaN budget fits nothing and a string device
+    fails as an AttributeError).
+    """
+    budget = _bytes("budget_bytes", budget_bytes, least=1)
+    host_budget = None
+    if host_budget_bytes is not None:
+        host_budget = _bytes("host_budget_bytes", host_budget_bytes, least=0)
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, numbers.Integral):
+        raise TypeError(
+            "fastest_under: ranks_per_node must be a whole number of processes, got "
+            f"{ranks_per_node!r} ({type(ranks_per_node).__name__})"
+        )
+    if ranks_per_node < 1:
+        raise ValueError(f"fastest_under: ranks_per_node must be 1 or more, got {ranks_per_node}")
+    if device is not None and not isinstance(device, DeviceModel):
+        raise TypeError(
+            "fastest_under: device= takes a DeviceModel, the rates the time model uses "
+            "(matepoint.calibrate() measures one on a GPU; matepoint.DeviceModel(...) states "
+            f"one), not where to run: got {device!r} ({type(device).__name__}). The plan is "
+            "made on the meta device whatever device trains"
+        )
+    if measure is not None and not callable(measure):
+        raise TypeError(
+            "fastest_under: measure= takes a function of the finalist plans that returns "
+            f"their step times, got {type(measure).__name__}"
+        )
+    return budget, host_budget, int(ranks_per_node)
+
+
+def _bytes(name: str, value: object, *, least: int) -> int:
+    """``value`` as whole bytes, or a TypeError / ValueError that names the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"fastest_under: {name} must be a number of bytes, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    if not math.isfinite(value) or value < least:
+        wanted = "a positive, finite number" if least > 0 else "a finite number, 0 or more,"
+        raise ValueError(f"fastest_under: {name} must be {wanted} of bytes, got {value!r}")
+    return operator.index(value) if isinstance(value, numbers.Integral) else int(float(value))
 
 
 def _row(label: str, values: list[str]) -> str:
