@@ -115,28 +115,34 @@ def _flattened_call(
 
 
 # Note [A call that moves nothing]
-#     A call none of whose saved inputs would move (each small, a parameter or a view of one,
-#     on a device the transport does not offload, or not one block of storage: ``stay_reason``)
-#     runs torch's checkpoint without matepoint's saved-tensor hooks. Python hooks cost torch
-#     host time on every saved input, in forward and in backward, which a host-bound step (a
-#     selective policy's, on a fast device) shows, for no benefit here: the inputs are counted
-#     as kept, as the pack hook would count them, and torch checks their versions itself
-#     (raising its own RuntimeError where matepoint's unpack raises InplaceModificationError, a
-#     subclass; the docs promise the subclass for offloaded inputs only). What happens to the
-#     call otherwise is unchanged: nested tensors are lifted to arguments first (so torch
-#     version-checks them too), and a selective policy's offload wrapper needs no hook.
+#     Rule 1. A call none of whose saved inputs would move (``stay_reason`` keeps each: small, a
+#             parameter or a view of one, on a device the transport does not offload, or not
+#             one block of storage) runs torch's checkpoint without matepoint's saved-tensor
+#             hooks. Python hooks cost host time on every saved input, in forward and backward,
+#             which a host-bound step (a selective policy's, on a fast device) shows.
+#     Rule 2. Its inputs are counted as kept, as the pack hook would count them.
+#     Rule 3. torch checks their versions itself, raising its own RuntimeError where matepoint's
+#             unpack raises InplaceModificationError, a subclass (the docs promise the subclass
+#             for offloaded inputs only).
+#     Rule 4. Nothing else about the call changes: nested tensors are lifted to arguments first
+#             (so torch version-checks them too), and a selective policy's offload wrapper
+#             needs no hook. A planned step always runs the hooks: it records every save.
+#     Example: ``checkpoint(block, x)`` with ``x`` below ``min_offload_bytes`` is
+#     ``torch.utils.checkpoint.checkpoint(block, x)``, and ``stats().skipped_small`` grows by 1.
 
 
 # Note [Keyword tensors and device RNG state]
-#     torch's checkpoint decides which devices' RNG states to save and restore for the
-#     recomputation (``preserve_rng_state``), and which device's autocast state to replay, from
-#     its positional arguments only, nested ones included; keyword arguments are never looked at.
-#     So when accelerator tensors reach the function only by keyword, torch restores no RNG state
-#     of that device, and dropout in the recomputation draws a fresh mask. matepoint must not
-#     change which devices torch sees: a keyword tensor becomes a positional argument (and is
-#     offloaded) only when it is on the CPU or on a device some positional tensor is on already.
-#     Any other keyword tensor stays a keyword argument, held by reference and recomputed from as
-#     torch does, and is not offloaded.
+#     Rule 1. torch's checkpoint picks the devices whose RNG states it saves and restores for the
+#             recomputation (``preserve_rng_state``), and the device whose autocast state it
+#             replays, from its positional arguments only (nested ones included).
+#     Rule 2. matepoint must not change which devices torch sees: a keyword tensor becomes a
+#             positional argument (and is offloaded) only when it is on the CPU or on a device
+#             some positional tensor is on already.
+#     Rule 3. Any other keyword tensor stays a keyword argument, held by reference and
+#             recomputed from as torch does, and is not offloaded.
+#     Example: in ``checkpoint(f, ids_on_cpu, h=h_on_cuda)`` ``h`` stays a keyword; lifted, it
+#     would make torch restore the CUDA RNG state, which torch's own checkpoint does not (its
+#     dropout draws a fresh mask in the recomputation).
 
 
 def checkpoint(
@@ -149,25 +155,18 @@ def checkpoint(
 ) -> Any:
     """Checkpoint ``function`` like ``torch.utils.checkpoint.checkpoint``, offloading its inputs.
 
-    Activations inside ``function`` are recomputed in backward, as with torch's checkpoint. In
-    addition the inputs torch keeps for that recomputation (the only activations a checkpointed
-    model still holds) are copied to pinned host memory during forward and copied back just
-    before backward needs them, on a side stream that overlaps compute. Device memory for
-    activations then stays flat as the model gets deeper, at the cost of host RAM and PCIe
-    traffic that the overlap hides. Tensors nested in tuples, lists, dicts and keyword arguments
-    are offloaded too (keyword tensors only on a device some positional tensor is on, so that
-    torch saves the same RNG states; see Note [Keyword tensors and device RNG state]);
-    parameters and their views, conj/neg views, tensors below ``min_offload_bytes`` and tensors
-    not on an accelerator stay where they are. Gradients are identical to torch's checkpoint.
-    The one deliberate difference: ``use_reentrant`` defaults to ``False``.
+    Activations inside ``function`` are recomputed in backward, as with torch's checkpoint; the
+    inputs torch keeps for that recomputation are copied to pinned host memory in forward and
+    back before backward needs them, on a side stream that overlaps compute: device memory stays
+    flat in depth, for host RAM and link traffic. Nested tensors are offloaded too (keyword ones
+    as Note [Keyword tensors and device RNG state] says); parameters and their views, conj/neg
+    views, tensors below ``min_offload_bytes`` and tensors not on an accelerator stay put.
+    Gradients are identical to torch's checkpoint; ``use_reentrant`` defaults to ``False``.
 
-    The call is exactly torch's checkpoint, offloading nothing, with ``offload=False``, when
-    gradients are disabled, when another ``saved_tensors_hooks`` context is active (an enclosing
-    checkpoint's forward or recomputation, ``torch.autograd.graph.save_on_cpu``), or where torch
-    disables saved-tensor hooks (some tracing). A call none of whose inputs would move (each
-    below ``min_offload_bytes``, a parameter, or not on an accelerator) also runs torch's
-    checkpoint without matepoint's hooks, its inputs counted as kept in :func:`stats` (Note [A
-    call that moves nothing]).
+    With ``offload=False``, gradients disabled, another saved-tensor hook active (an enclosing
+    checkpoint, ``save_on_cpu``) or such hooks disabled by torch, the call is torch's checkpoint;
+    so is a call none of whose inputs would move (Note [A call that moves nothing]), without
+    matepoint's hooks. The docs' "How it works" and "Differences from torch" have the details.
 
     Args:
         function: What to run. With no function and no positional arguments, returns a decorator
@@ -177,22 +176,17 @@ def checkpoint(
         use_reentrant: torch's flag. Default: ``False`` (``None`` means ``True`` with torch's
             warning, as in torch).
         pipeline: Copy on a side stream overlapping compute (``True``) or synchronously on the
-            compute stream (``False``, for debugging and comparison; no prefetch). The 0.1.x
-            ``matepoint.NOPIPELINE = True`` has the effect of ``False``. Default: ``True``.
-        offload: :class:`OffloadOptions` for this call (on or off, pipelined, minimum size; the
-            rest comes from the settings set with :func:`matepoint.configure`), ``None`` or
-            ``True`` for the settings alone, or ``False`` to offload nothing (plain torch
-            checkpoint). Default: ``None``.
+            compute stream (``False``, for debugging; no prefetch; the 0.1.x
+            ``matepoint.NOPIPELINE = True`` means the same). Default: ``True``.
+        offload: :class:`OffloadOptions` for this call (the rest comes from
+            :func:`matepoint.configure`), ``None`` or ``True`` for the settings alone, or
+            ``False`` to offload nothing (plain torch checkpoint). Default: ``None``.
         **kwargs: torch's checkpoint options (``preserve_rng_state``, ``context_fn``,
-            ``determinism_check``, ``debug``, ``early_stop``, ``respect_saved_tensors_hooks``),
-            then keyword arguments of ``function``. ``early_stop=`` works on every supported
-            torch: before 2.9, which lacks the keyword, matepoint applies it through
-            ``torch.utils.checkpoint.set_checkpoint_early_stop``. ``respect_saved_tensors_hooks=``
-            needs torch 2.14; from 2.14 a call with ``context_fn`` and no explicit choice passes
-            ``False``, so the tensors selective checkpointing caches stay on the device, as with
-            torch's checkpoint. The 0.1.x keywords ``stream=``, ``matepoint_ctx=`` and
-            ``check_inplace_modifications=`` reach a ``function`` that declares them (or takes
-            ``**kwargs``), as with torch; otherwise they are dropped with a deprecation warning.
+            ``determinism_check``, ``debug``, ``early_stop`` on every supported torch,
+            ``respect_saved_tensors_hooks`` from torch 2.14), then keyword arguments of
+            ``function``. The 0.1.x keywords ``stream=``, ``matepoint_ctx=`` and
+            ``check_inplace_modifications=`` reach a ``function`` that takes them; otherwise
+            they are dropped with a deprecation warning.
 
     Returns:
         What ``function`` returns.
@@ -209,13 +203,11 @@ def checkpoint(
 
     Example:
         >>> import torch
-        >>> import matepoint
-        >>> from matepoint import checkpoint
+        >>> from matepoint import OffloadOptions, checkpoint
         >>> block = torch.nn.Linear(64, 64)
         >>> x = torch.randn(8, 64, requires_grad=True)
-        >>> y = checkpoint(block, x)
-        >>> y.sum().backward()
-        >>> everything = matepoint.OffloadOptions(min_offload_bytes=0)
+        >>> checkpoint(block, x).sum().backward()
+        >>> everything = OffloadOptions(min_offload_bytes=0)
         >>> y = checkpoint(block, x, offload=everything)  # options for this call only
         >>> @checkpoint(offload=everything)
         ... def mlp(h, scale=1.0):
@@ -230,6 +222,16 @@ def checkpoint(
     # Checked now, not at the first call: the decorator line is the one to fix.
     resolve(offload, pipeline)
     compat.pop_legacy_checkpoint_kwargs(kwargs)
+    return _decorator(kwargs, use_reentrant, pipeline, offload)
+
+
+def _decorator(
+    kwargs: dict[str, Any],
+    use_reentrant: bool | None,
+    pipeline: bool,
+    offload: OffloadOptions | bool | None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Return the decorator ``checkpoint(**kwargs)`` stands for: each call is :func:`checkpoint`."""
 
     def decorate(decorated: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(decorated)
@@ -290,7 +292,7 @@ def _checkpoint(
                 # See Note [Offloading what a selective policy saves] (matepoint/_selective.py).
                 checkpoint_options["context_fn"] = offload_policy_outputs(context_fn, options)
             function, args, kwargs = _flattened_call(function, args, kwargs)
-        # See Note [A call that moves nothing]; a planned step always records its saves.
+        # See Note [A call that moves nothing], rules 1 and 4.
         if plan is not None or not stays_in_place(args, options):
             hooks = _hooks_for(options)
     # unwind_failed_checkpoint: on torch < 2.13 a raising function leaves torch's hooks pushed
