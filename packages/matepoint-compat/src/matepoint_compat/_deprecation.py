@@ -125,15 +125,18 @@ def warn_deprecated(
 
 
 # Note [Deprecation warnings under torch.compile]
-#     Dynamo cannot trace the construction of a warning object with its own __init__: a 0.1.x
-#     keyword in a compiled model would fail a fullgraph compile, and without fullgraph skip
-#     the frame (nothing compiled, nothing offloaded). So while Dynamo traces, the warning is
-#     given at trace time, outside the graph, by a function Dynamo calls for real: attributed to
-#     the traced line the stacklevel names (Dynamo's record of the frames it traces), and once
-#     per line as Python's default filter shows it, with one registry per file. A compiled
-#     graph runs without warning again, as a warning in eager mode shows once per line too.
-#     Where matepoint has no compiled path (torch before 2.11, gate COMPILED_OFFLOAD), Dynamo
-#     graph-breaks at matepoint's checkpoint anyway, and the warning is given as in eager mode.
+#     Rule 1. While Dynamo traces, a deprecation warning is given at trace time, outside the
+#             graph, by a function Dynamo calls for real. Dynamo cannot trace the construction of
+#             a warning object with its own __init__: a 0.1.x keyword in a compiled model would
+#             fail a fullgraph compile, or else skip the frame (nothing compiled or offloaded).
+#     Rule 2. It is attributed to the traced line the stacklevel names (Dynamo's record of the
+#             frames it traces) and shown once per line, as Python's default filter shows it,
+#             with one registry per file.
+#     Rule 3. A compiled graph runs without warning again, as an eager warning shows once per
+#             line too.
+#     Rule 4. Where matepoint has no compiled path (torch before 2.11, gate COMPILED_OFFLOAD),
+#             Dynamo graph-breaks at matepoint's checkpoint anyway, and the warning is given as
+#             in eager mode.
 _TRACE_TIME_REGISTRIES: dict[str, dict[Any, Any]] = {}
 
 
@@ -267,10 +270,12 @@ class _LegacyModule(types.ModuleType):
         return legacy_pipeline_disabled() if name == "NOPIPELINE" else value
 
     # Note [NOPIPELINE warns at the assignment]
-    # PEP 562 covers reading only. The assignment is the line the user has to change, and where
-    # `-W error` should stop; a warning at the next checkpoint call would repeat at every call
-    # site, and from checkpoint_sequential or the decorator land on matepoint's own lines. The
-    # value is stored as a plain global of the package, and checkpoint reads it at call time.
+    #     Rule 1. Setting ``NOPIPELINE`` warns at the assignment (PEP 562 covers reading only):
+    #             that is the line the user has to change, and where ``-W error`` should stop. A
+    #             warning at the next checkpoint call would repeat at every call site, and from
+    #             checkpoint_sequential or the decorator land on matepoint's own lines.
+    #     Rule 2. The value is stored as a plain global of the package; checkpoint reads it at
+    #             call time.
     def __setattr__(self, name: str, value: object) -> None:
         if name == "NOPIPELINE":
             warn_deprecated(f"`{self.__name__}.NOPIPELINE`", replacement=_NOPIPELINE)

@@ -1,29 +1,29 @@
 """Selective activation checkpointing's private pieces, for offloading what a policy offloads.
 
 Note [Selective checkpointing's storage]
-    ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` returns two private dispatch
-    modes sharing one storage dict. ``_CachingTorchDispatchMode`` runs the forward: it asks the
-    policy about each op and stores each output the policy saves (``MUST_SAVE``/``PREFER_SAVE``)
-    as a ``_VersionWrapper`` of a detached alias. ``_CachedTorchDispatchMode`` runs the
-    recomputation and, for a saved op, returns ``entry.get_val(allow_cache_entry_mutation)``
-    (mapped over the op's outputs) instead of running it. No eager release from 2.4 to 2.15
-    implements the CPU-offload values (``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD``): they fall
-    into the caching mode's "else" branch and are recomputed, exactly like ``PREFER_RECOMPUTE``.
-
-    Differences between releases, all handled here:
-
-    - the storage holds, per op, a list appended to (2.4 era; the recompute pops its head and
-      asks the policy again with ``is_recompute=True``) or a dict keyed by call index (later;
-      the recompute looks entries up by index and never asks the policy). matepoint replaces
-      the entry the caching mode has just written, which is the list's last item or the dict's
-      last inserted key in both layouts, and wraps the recompute mode's policy where it has one;
-    - the storage key is the op itself, or ``_sac_storage_key(func, args)`` where torch has it;
-    - from 2.14 ``_VersionWrapper`` may carry an ``unpack_hook``: with
-      ``respect_saved_tensors_hooks=True`` the value it wraps is already what the surrounding
-      hooks (matepoint's) packed, and it is left alone.
-
-    The shim stays until torch's eager checkpoint offloads these values itself (no release up
-    to 2.15 does; pytorch/pytorch#185015 is open).
+    ``create_selective_checkpoint_contexts`` returns two private dispatch modes sharing one
+    storage dict.
+    Rule 1. ``_CachingTorchDispatchMode`` runs the forward: it asks the policy about each op and
+            stores each output the policy saves (``MUST_SAVE``/``PREFER_SAVE``) as a
+            ``_VersionWrapper`` of a detached alias.
+    Rule 2. ``_CachedTorchDispatchMode`` runs the recomputation: for a saved op it returns
+            ``entry.get_val(allow_cache_entry_mutation)`` (mapped over the op's outputs) instead
+            of running it.
+    Rule 3. No eager release from 2.4 to 2.15 implements ``MUST_CPU_OFFLOAD``/
+            ``PREFER_CPU_OFFLOAD``: they fall into the caching mode's "else" branch and are
+            recomputed like ``PREFER_RECOMPUTE``. This shim stays until torch's eager checkpoint
+            offloads them itself (pytorch/pytorch#185015 is open).
+    Rule 4. Per op, the storage holds a list appended to (2.4 era: the recompute pops its head
+            and asks the policy again with ``is_recompute=True``) or a dict keyed by call index
+            (later: looked up by index, the policy not asked). Either way the entry the caching
+            mode has just written is the list's last item or the dict's last inserted key: that
+            is the one matepoint replaces. The recompute mode's policy is wrapped where it has
+            one.
+    Rule 5. The storage key is the op itself, or ``_sac_storage_key(func, args)`` where torch has
+            it.
+    Rule 6. From 2.14 a ``_VersionWrapper`` may carry an ``unpack_hook``: with
+            ``respect_saved_tensors_hooks=True`` the value it wraps is already what the
+            surrounding hooks (matepoint's) packed, and it is left alone.
 """
 
 from __future__ import annotations
@@ -80,15 +80,19 @@ class _Pending:
     """The op whose outputs the forward's policy marked for offload, until its entry is stored.
 
     Note [Offloading an entry once it is stored]
-        The caching mode stores an op's entry after asking the policy, inside its own dispatch;
-        matepoint replaces it at the next point its code runs anyway: the policy call of the
-        next op, or the mode's exit at the end of the region's forward. That adds no Python
-        frame to the ops of a region that offload nothing (most of them), where a dispatch
-        override on the mode would add one to every op, and a policy's host cost is what
-        bounds a selective step on a fast device. An in-place write by the next op bumps the
-        version only after the mode's handler returns, so the entry is replaced first and
-        matepoint's version check finds the write in the recomputation; an output whose
-        version moved all the same is left in torch's wrapper, whose check raises there.
+        Rule 1. The caching mode stores an op's entry after asking the policy, inside its own
+                dispatch; matepoint replaces it at the next point its own code runs anyway: the
+                policy call of the next op, or the mode's exit at the end of the region's
+                forward.
+        Rule 2. So an op of the region that offloads nothing (most of them) gets no extra Python
+                frame, where a dispatch override on the mode would add one to every op: a
+                policy's host cost is what bounds a selective step on a fast device.
+        Rule 3. An in-place write by the next op bumps the version only after the mode's handler
+                returns, so the entry is replaced first and matepoint's version check finds the
+                write in the recomputation. An output whose version moved all the same stays in
+                torch's wrapper, whose check raises there.
+        Example: under a policy that offloads ``sin``, ``cos(sin(x))``'s policy call for ``cos``
+        replaces ``sin``'s entry with its offloaded output (rule 1).
 
     Held by the policy wrapper and the mode, never referencing the mode, so no reference cycle
     keeps the storage (and the host copies in it) alive until the garbage collector runs.
@@ -105,7 +109,7 @@ class _Pending:
         container = self.storage[self.key]
         self.key = _NO_KEY
         # The list's last item or the dict's last inserted key (Note [Selective
-        # checkpointing's storage]): no op stored an entry since the marked one.
+        # checkpointing's storage], rule 4): no op stored an entry since the marked one.
         index = next(reversed(container)) if isinstance(container, dict) else -1
         offload = self.offload
         assert offload is not None

@@ -1,14 +1,18 @@
 """A handle on a tensor's autograd version counter that holds none of its memory.
 
 Note [Version witness]
-    autograd gives a tensor, its base and every view of that base one shared version counter;
-    every in-place write through any of them (``base.add_``, ``param.mul_`` under ``no_grad``,
-    ``view.copy_``) bumps it, and ``detach()`` aliases share it too. torch's checkpoint keeps its
-    saved inputs alive and so sees every such write. matepoint lets the device original go once
-    its copy has reached the host, so it keeps a *witness* instead: a detached alias of the input
-    whose storage has been swapped for an empty one. It shares the counter, owns no device
-    memory, and keeps nothing else alive. Comparing the witness's ``_version`` with the version
-    at pack time tells whether anything wrote the input's memory through any alias.
+    Rule 1. A tensor, its base, every view of that base and every ``detach()`` alias share one
+            autograd version counter, bumped by an in-place write through any of them
+            (``base.add_``, ``param.mul_`` under ``no_grad``, ``view.copy_``).
+    Rule 2. torch's checkpoint keeps its saved inputs alive and so sees every such write.
+            matepoint lets a device original go once its copy is on the host and keeps a
+            *witness* instead: a detached alias whose storage is swapped for an empty one. It
+            shares the counter, owns no device memory and keeps nothing else alive.
+    Rule 3. A witness whose ``_version`` differs from the version at pack time means something
+            wrote the input's memory, through some alias.
+    Rule 4. Making a witness changes no version the user can see.
+    Example: ``x = h[:, :64]`` is saved, offloaded and let go; ``h.add_(1)`` before backward
+    bumps ``x``'s witness too, and backward raises as torch's checkpoint would.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ except TypeError:
 def version_witness(tensor: torch.Tensor) -> torch.Tensor:
     """Return a storage-less tensor that shares ``tensor``'s version counter.
 
-    See Note [Version witness]. ``set_()`` on the detached alias is itself an in-place call that
-    bumps the shared counter; ``torch._C._autograd._unsafe_set_version_counter`` (what
+    See Note [Version witness], rule 4. ``set_()`` on the detached alias is itself an in-place
+    call that bumps the shared counter; ``torch._C._autograd._unsafe_set_version_counter`` (what
     ``torch.autograd.graph``'s ``_unsafe_preserve_version_counter`` calls, checked on 2.4 to
     2.15; it took one tensor and one version on 2.4, tuples of them on 2.13) puts it back, so
     neither the user's tensor nor any other saved tensor of theirs sees a version change. This

@@ -1,23 +1,22 @@
 """Selective checkpointing with offload: a policy's ``*_CPU_OFFLOAD`` outputs go to host memory.
 
 Note [Offloading what a selective policy saves]
-    A selective-checkpoint policy (``create_selective_checkpoint_contexts``) answers per op:
-    save the output (``MUST_SAVE``/``PREFER_SAVE``), recompute it, or offload it to the CPU
-    (``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD``). torch's eager checkpoint does not implement
-    the last two (it recomputes those ops). matepoint does: when a call with such a
-    ``context_fn`` offloads, the forward mode saves those outputs, and the entry it stores for
-    each is what :func:`matepoint._engine.saving.pack` returns for the output (a ``Record``
-    whose copy runs on the side stream, or a ``KeptTensor`` when a keep rule leaves it on the
-    device) in place of the device tensor. The recomputation asks the entry for its value, which
-    :func:`matepoint._engine.saving.unpack` brings back: the op is not run again. So the engine's
-    rules all apply to these outputs as to checkpoint inputs (keep rules, dedupe, stash,
-    look-ahead prefetch, bounded bytes in flight, version checks, stream ordering) and their
-    host copies live as long as torch's storage entry: until the recomputation consumes it, or
-    the graph dies. How torch's private modes are reached is
-    Note [Selective checkpointing's storage] in ``matepoint_compat._selective``.
-
-    A saved input and a policy output of the same memory and version share one record (dedupe):
-    a block's offloaded output that is also the next checkpoint's input crosses the link once.
+    torch's eager checkpoint recomputes the ops a selective-checkpoint policy marks
+    ``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD``; matepoint offloads their outputs.
+    Rule 1. When a call with such a ``context_fn`` offloads, the forward saves those outputs, and
+            the entry stored for each is what :func:`matepoint._engine.saving.pack` returns for
+            it (a ``Record`` copying on the side stream, or a ``KeptTensor`` where a keep rule
+            applies) instead of the device tensor.
+    Rule 2. The recomputation asks the entry for its value, which
+            :func:`matepoint._engine.saving.unpack` brings back: the op does not run again.
+    Rule 3. So the engine's rules apply to these outputs as to checkpoint inputs (keep rules,
+            dedupe, stash, look-ahead, bytes in flight, version checks, stream ordering), and a
+            host copy lives as long as torch's storage entry: until the recomputation consumes
+            it, or the graph dies.
+    Example: a block's offloaded output that is also the next checkpoint's input (same memory
+    and version) is one record (rule 3, dedupe): it crosses the link once.
+    How torch's private modes are reached: Note [Selective checkpointing's storage] in
+    ``matepoint_compat._selective``.
 """
 
 from __future__ import annotations
