@@ -257,7 +257,7 @@ def delay_side_stream(cycles: int) -> contextlib.AbstractContextManager[int]:
     comes back when the block ends. Without CUDA (or ``torch.cuda._sleep``) nothing is delayed.
 
     Args:
-        cycles: GPU cycles (about 2 per nanosecond on an H200); ``0`` for none.
+        cycles: GPU clock cycles (at 2 GHz, ``2_000_000`` is a millisecond); ``0`` for none.
 
     Returns:
         A context manager whose ``with`` block yields the delay in force.
