@@ -6,14 +6,16 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from matepoint_examples import _planning
 from matepoint_examples import plan as plan_cli
-from matepoint_examples._workloads import get_workload
-from matepoint_examples.models import GPTConfig, NanoGPT
+from matepoint_examples._runtime import format_bytes
+from matepoint_examples._workloads import build, get_workload
+from matepoint_examples.models import GPTConfig, NanoGPT, no_checkpoint
 
 TINY_LATENT = ["--model", "cpu-small", "--depth", "4", "--width", "64", "--heads", "2"]
 TINY_LATENT += ["--batch", "2", "--seq", "512", "--min-offload", "0"]
@@ -44,12 +46,174 @@ def test_budget_that_fits_and_one_that_does_not(
     advice = json.loads(out_json.read_text())["recommendation"]
     assert advice["fits"]
     assert advice["link_bytes"] == 0  # 1 GiB holds this model with plain checkpointing
-    assert plan_cli.main([*TINY_LATENT, "--budget", "0.0005", "--json", str(out_json)]) == 0
-    advice = json.loads(out_json.read_text())["recommendation"]
+    # Nothing fits: the exit status says so (it was 0).
+    small = [*TINY_LATENT, "--budget", "0.0005", "--optimizer", "none", "--json", str(out_json)]
+    assert plan_cli.main(small) == 1
+    report = json.loads(out_json.read_text())
+    advice = report["recommendation"]
     assert not advice["fits"]
+    assert not report["fits"]
     assert advice["options"] is None
     assert 0 <= advice["largest_batch"] < 2
     assert "nothing fits" in capsys.readouterr().out
+
+
+def _meta_state_bytes(args: list[str], states_per_parameter: int) -> int:
+    """The states counted by hand: each per parameter, rounded up to 512 bytes."""
+    workload = plan_cli._workload(plan_cli._parser().parse_args(args))
+    built = build(workload, no_checkpoint, torch.device("meta"))
+    return states_per_parameter * sum(
+        -(-p.numel() * p.element_size() // 512) * 512 for p in built.model.parameters()
+    )
+
+
+def test_the_optimizer_states_are_counted_against_the_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, the budget was the step's alone: AdamW's states (7.25 GiB for llama8) were not
+    # counted, and a budget they do not leave room in was said to fit.
+    out_json = tmp_path / "plan.json"
+    adamw = _meta_state_bytes(TINY_LATENT, 2)
+    assert adamw > 1 << 20
+    # The smallest peak this step reaches, with nothing else on the device.
+    tiny = [*TINY_LATENT, "--optimizer", "none", "--budget", "1B", "--json", str(out_json)]
+    assert plan_cli.main(tiny) == 1
+    report = json.loads(out_json.read_text())
+    smallest = report["recommendation"]["minimum_peak_bytes"]
+    if "budget_plan" in report:
+        smallest = max(smallest, report["budget_plan"]["smallest_budget_bytes"])
+    budget = smallest + adamw // 2
+    capsys.readouterr()
+    args = [*TINY_LATENT, "--budget", f"{budget}B", "--json", str(out_json)]
+    assert plan_cli.main([*args, "--optimizer", "none"]) == 0
+    assert "no optimizer states counted (--optimizer none)" in capsys.readouterr().out
+    assert json.loads(out_json.read_text())["step_budget_bytes"] == budget
+    assert plan_cli.main(args) == 1  # --optimizer adamw is the default
+    printed = capsys.readouterr().out
+    counted = f"AdamW states {format_bytes(adamw)} counted"
+    assert counted in printed
+    assert f"budget {format_bytes(budget)}: {counted}, " in printed
+    assert "peak with AdamW states" in printed
+    report = json.loads(out_json.read_text())
+    assert report["optimizer"] == {"name": "adamw", "state_bytes": adamw}
+    assert report["step_budget_bytes"] == budget - adamw
+    assert not report["fits"]
+    if "budget_plan" in report:
+        assert report["budget_plan"]["budget_bytes"] == budget - adamw
+    assert plan_cli.main([*args, "--optimizer", "sgd"]) == 0
+    printed = capsys.readouterr().out
+    assert f"SGD states {format_bytes(_meta_state_bytes(TINY_LATENT, 1))} counted" in printed
+
+
+def test_states_that_fill_the_budget_leave_nothing_to_plan(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    adamw = _meta_state_bytes(TINY_LATENT, 2)
+    assert plan_cli.main([*TINY_LATENT, "--budget", f"{adamw}B"]) == 1
+    assert "nothing left for the step: nothing fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "budget",
+    ["inf", "1e400", "nan", "-5GiB", "0", "0GiB", "0.1B", "lots", "10XB", "1.2.3GB", "GB", ""],
+)
+def test_a_budget_that_is_no_size_is_a_usage_error(
+    budget: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, inf and 1e400 ended in an OverflowError traceback, 0 and -5GiB were planned
+    # against ("nothing fits -5.00 GiB"), and the others' error did not show the format.
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main([*TINY_LATENT, f"--budget={budget}"])
+    assert exit_info.value.code == 2
+    error = " ".join(capsys.readouterr().err.split())
+    assert f"argument --budget: {budget!r} is not" in error
+    assert "--budget takes a size such as 40GiB, 12.5GB, 512MiB, 8e9B (bytes)" in error
+
+
+def test_a_budget_in_two_words_is_told_the_format(capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: "unrecognized arguments: GB", and nothing on how to write it.
+    for words in (["--budget", "10", "GB"], ["--budget=10", "GB"]):
+        with pytest.raises(SystemExit) as exit_info:
+            plan_cli.main([*TINY_LATENT, *words])
+        assert exit_info.value.code == 2
+        error = " ".join(capsys.readouterr().err.split())
+        assert "unrecognized arguments: GB; --budget takes a size such as 40GiB" in error
+        assert "in one word: --budget 10GB" in error
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main([*TINY_LATENT, "--host-budget", "3", "TiB"])
+    assert "in one word: --host-budget 3TiB" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_cli.main([*TINY_LATENT, "--frobnicate"])
+    assert "unrecognized arguments: --frobnicate\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("40GiB", 40 << 30),
+        ("12.5GB", 12_500_000_000),
+        ("8e9B", 8_000_000_000),
+        ("8e9b", 8_000_000_000),
+        ("24", 24 << 30),
+        ("0.5", 1 << 29),
+        ("512 MiB", 512 << 20),
+        ("1e3kB", 1_000_000),
+        ("2TiB", 2 << 40),
+    ],
+)
+def test_sizes_in_any_unit(text: str, expected: int) -> None:
+    assert plan_cli._size("--budget")(text) == expected
+
+
+def test_a_host_budget_may_be_zero_but_not_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_cli._size("--host-budget", zero=True)("0") == 0
+    with pytest.raises(SystemExit):
+        plan_cli.main([*TINY_LATENT, "--host-budget=-1GiB"])
+    assert "'-1GiB' is not a size of 0 bytes or more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--ranks-per-node", "0", "--ranks-per-node takes a whole number of processes, 1 or more"),
+        ("--ranks-per-node", "1.5", "--ranks-per-node takes a whole number"),
+        ("--bandwidth", "0", "--bandwidth takes a number above 0"),
+        ("--peak-tflops", "-1", "--peak-tflops takes a number above 0"),
+        ("--stash", "inf", "--stash takes a number of MiB, 0 or more"),
+        ("--min-offload", "nan", "--min-offload takes a number of MiB, 0 or more"),
+    ],
+)
+def test_other_bad_numbers_are_usage_errors(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, --ranks-per-node 0 ended in a ValueError traceback from the search.
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main([*TINY_LATENT, "--budget", "1", f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_planned_in_is_the_time_all_the_planning_took(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the clock stopped before the budget search, the options search and the largest
+    # batch: "planned in 0.2 s" for a 4.6 s command.
+    import matepoint
+
+    recommend = matepoint.MemoryPlan.recommend
+
+    def slow_recommend(self: matepoint.MemoryPlan, budget_bytes: int) -> Any:
+        time.sleep(1.0)
+        return recommend(self, budget_bytes)
+
+    monkeypatch.setattr(matepoint.MemoryPlan, "recommend", slow_recommend)
+    out_json = tmp_path / "plan.json"
+    started = time.perf_counter()
+    plan_cli.main([*TINY_LATENT, "--budget", "1", "--json", str(out_json)])
+    elapsed = time.perf_counter() - started
+    seconds = float(re.findall(r"planned in ([0-9.]+) s", capsys.readouterr().out)[-1])
+    assert 1.0 <= seconds <= elapsed + 0.05
+    assert 1.0 <= json.loads(out_json.read_text())["planning_seconds"] <= elapsed
 
 
 def test_largest_batch_is_the_largest_that_fits() -> None:
@@ -142,13 +306,15 @@ def test_budget_in_units_shows_the_fastest_step_within_it(
     out_json = tmp_path / "plan.json"
     assert plan_cli.main([*TINY_LLAMA, "--budget", "2GiB", "--json", str(out_json)]) == 0
     printed = capsys.readouterr().out
-    assert "matepoint budget plan: 2.00 GiB device budget, fits" in printed
-    budget_plan = json.loads(out_json.read_text())["budget_plan"]
-    assert budget_plan["budget_bytes"] == 2 << 30
+    report = json.loads(out_json.read_text())
+    step_budget = (2 << 30) - report["optimizer"]["state_bytes"]  # less AdamW's states
+    assert f"matepoint budget plan: {step_budget / 2**30:.2f} GiB device budget, fits" in printed
+    budget_plan = report["budget_plan"]
+    assert budget_plan["budget_bytes"] == step_budget
     assert budget_plan["peak_bytes"] <= budget_plan["budget_bytes"]
     assert "keep" in budget_plan["decisions"].values()
     assert budget_plan["step_seconds"] < budget_plan["every_block_seconds"]
-    assert plan_cli.main([*TINY_LLAMA, "--budget", "1MiB"]) == 0
+    assert plan_cli.main([*TINY_LLAMA, "--budget", "1MiB", "--optimizer", "none"]) == 1
     assert "does NOT fit" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         plan_cli.main([*TINY_LLAMA, "--budget", "lots"])

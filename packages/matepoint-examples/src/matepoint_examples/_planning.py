@@ -21,12 +21,28 @@ from typing import Any
 import torch
 
 import matepoint
+from matepoint._planner.optimizer_states import optimizer_class, optimizer_state_bytes
 from matepoint_examples._workloads import GPU_WORKLOADS, Workload, build, get_workload
 from matepoint_examples.strategies import get_strategy
 
-__all__ = ["check_workload", "largest_batch", "main", "plan_workload"]
+__all__ = [
+    "OPTIMIZERS",
+    "check_workload",
+    "largest_batch",
+    "main",
+    "optimizer_states",
+    "plan_workload",
+]
 
 STRATEGIES = ("none", "torch", "matepoint")
+# The optimizers a workload can be planned with, and the settings their states are counted
+# under: SGD as it is trained, with momentum (without, it holds no states, as "none").
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "adamw": {},
+    "adam": {},
+    "sgd": {"momentum": 0.9},
+    "none": {},
+}
 
 
 def plan_workload(
@@ -60,6 +76,29 @@ def plan_workload(
         link_bandwidth=link_bandwidth,
         peak_flops=peak_flops,
         strategies=strategies,
+    )
+
+
+def optimizer_states(workload: Workload, optimizer: str) -> tuple[str, int]:
+    """Name and device bytes of the states ``optimizer`` keeps for ``workload``'s parameters.
+
+    The model is built on the meta device (nothing allocated); the states are counted by class,
+    as before the optimizer's first step (:func:`matepoint._planner.optimizer_states.
+    optimizer_state_bytes`), each rounded as the CUDA caching allocator rounds it.
+
+    Args:
+        workload: The model shape.
+        optimizer: One of :data:`OPTIMIZERS`.
+
+    Returns:
+        The class's name (``"AdamW"``; ``"no optimizer"`` for ``"none"``) and the bytes.
+    """
+    cls = optimizer_class(optimizer)
+    if cls is None:
+        return "no optimizer", 0
+    built = build(workload, get_strategy("none").checkpoint_fn, torch.device("meta"))
+    return cls.__name__, optimizer_state_bytes(
+        optimizer, built.model.parameters(), **OPTIMIZERS[optimizer]
     )
 
 

@@ -4,9 +4,11 @@ Plans one training step of a benchmark workload with :func:`matepoint.plan` on t
 (no GPU, no memory for the model), under no checkpoint, torch's checkpoint and matepoint, and
 prints a table; ``--json`` and ``--plot`` write the report and a PNG of device and host memory
 over the step. With ``--budget`` it proposes offload options that fit, and if none do, finds the
-largest batch that would.
+largest batch that would. The optimizer's states (``--optimizer``, AdamW by default) stay on the
+device through the step: they are counted, and the step is planned within the budget less them.
 
-Run ``matepoint-plan --model deep96`` or ``python -m matepoint_examples.plan --help``.
+Run ``matepoint-plan --model deep96`` or ``python -m matepoint_examples.plan --help``. The exit
+status is 0, or 1 when nothing fits the budget; 2 for a usage error (argparse's convention).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 import matepoint
-from matepoint_examples._planning import largest_batch, plan_workload
+from matepoint_examples._planning import OPTIMIZERS, largest_batch, optimizer_states, plan_workload
 from matepoint_examples._runtime import format_bytes
 from matepoint_examples._workloads import WORKLOADS, Workload, get_workload
 
@@ -49,8 +53,16 @@ def _ratios(strategy_plan: matepoint.StrategyPlan) -> str:
     return f"{forward:.2f} / {backward:.2f}"
 
 
-def rich_table(memory_plan: matepoint.MemoryPlan) -> Table:
-    """Return the plan as a rich table: one column per strategy."""
+def rich_table(
+    memory_plan: matepoint.MemoryPlan, optimizer: tuple[str, int] | None = None
+) -> Table:
+    """Return the plan as a rich table: one column per strategy.
+
+    Args:
+        memory_plan: The plan.
+        optimizer: The optimizer's name and its states' bytes, if any: a row gives each peak
+            with them added (they stay on the device through the step).
+    """
     plans = list(memory_plan.strategies.values())
     table = Table(title="One training step, planned on the meta device")
     table.add_column("")
@@ -61,6 +73,13 @@ def rich_table(memory_plan: matepoint.MemoryPlan) -> Table:
     rows: list[tuple[str, list[str]]] = [
         ("peak device memory", [format_bytes(p.peak_bytes) for p in plans]),
         ("  of which before the step", [format_bytes(p.baseline_bytes) for p in plans]),
+        *(
+            [(f"peak with {optimizer[0]} states", [
+                format_bytes(p.peak_bytes + optimizer[1]) for p in plans
+            ])]
+            if optimizer is not None
+            else []
+        ),
         ("held after forward", [format_bytes(p.held_after_forward_bytes) for p in plans]),
         ("pinned host RAM", [format_bytes(p.pinned_bytes + p.pageable_bytes) for p in plans]),
         ("to host / to device", [
@@ -98,11 +117,25 @@ def _notes(memory_plan: matepoint.MemoryPlan) -> list[str]:
     return notes
 
 
-def plot(memory_plan: matepoint.MemoryPlan, path: Path, budget_bytes: int | None = None) -> Path:
+def plot(
+    memory_plan: matepoint.MemoryPlan,
+    path: Path,
+    budget_bytes: int | None = None,
+    budget_label: str = "budget",
+) -> Path:
     """Draw device and host memory over the step, one line per strategy, as a PNG.
 
     The horizontal axis is the step's allocations and frees in order (not time: the planner
     runs no kernels), with a marker where forward ends and backward starts.
+
+    Args:
+        memory_plan: The plan.
+        path: Where to write the PNG.
+        budget_bytes: A budget to draw as a horizontal line, or None.
+        budget_label: The line's label. Default: ``"budget"``.
+
+    Returns:
+        ``path``.
     """
     import matplotlib
 
@@ -125,7 +158,7 @@ def plot(memory_plan: matepoint.MemoryPlan, path: Path, budget_bytes: int | None
             host_ax.plot(steps, host, color=color, label=f"{label}: pinned pool")
             host_ax.plot(steps, in_use, color=color, linestyle=":", label=f"{label}: in use")
     if budget_bytes is not None:
-        device_ax.axhline(budget_bytes / _GIB, color="black", linestyle="--", label="budget")
+        device_ax.axhline(budget_bytes / _GIB, color="black", linestyle="--", label=budget_label)
     device_ax.set_ylabel("device GiB allocated")
     device_ax.set_title("Device memory over one training step (planned; dotted: backward starts)")
     device_ax.legend(fontsize="small")
@@ -181,44 +214,153 @@ def _parser() -> argparse.ArgumentParser:
         choices=("bf16", "fp16", "fp32"),
         help=f"parameter/activation dtype (default: the model's; {default.name}: {default.dtype})",
     )
-    p.add_argument("--stash", type=float, help="stash_bytes, in MiB (default: matepoint's)")
+    p.add_argument(
+        "--stash", type=_mib("--stash"), help="stash_bytes, in MiB (default: matepoint's)"
+    )
     p.add_argument("--prefetch", type=int, help="prefetch depth (default: matepoint's)")
-    p.add_argument("--min-offload", type=float, help="min_offload_bytes, in MiB")
+    p.add_argument("--min-offload", type=_mib("--min-offload"), help="min_offload_bytes, in MiB")
     p.add_argument(
         "--budget",
-        type=_bytes,
-        help="device memory budget (e.g. 24GiB, 500MiB; a bare number is GiB): the fastest "
-        "step within it (keep, offload or recompute per kind of op) and offload options that fit",
+        type=_size("--budget"),
+        help=f"device memory budget ({_SIZE_FORMAT}): the fastest step within it, less the "
+        "optimizer's states (keep, offload or recompute per kind of op), and offload options "
+        "that fit; the exit status is 1 when nothing fits",
     )
     p.add_argument(
-        "--host-budget", type=_bytes, help="pinned host RAM per node for --budget (e.g. 256GiB)"
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default="adamw",
+        help="the optimizer whose states stay on the device through the step, counted against "
+        "--budget: adamw and adam two per parameter, sgd (with momentum) one, none (default: "
+        "adamw)",
     )
     p.add_argument(
-        "--ranks-per-node", type=int, default=1, help="processes per node sharing its host RAM"
+        "--host-budget",
+        type=_size("--host-budget", zero=True),
+        help="pinned host RAM per node for --budget (e.g. 256GiB; 0 offloads nothing)",
     )
-    p.add_argument("--bandwidth", type=float, default=55.0, help="link GB/s each way (default: 55)")
     p.add_argument(
-        "--peak-tflops", type=float, default=989.0, help="compute TFLOP/s (default: 989)"
+        "--ranks-per-node",
+        type=_count,
+        default=1,
+        help="processes per node sharing its host RAM (default: 1)",
+    )
+    p.add_argument(
+        "--bandwidth",
+        type=_rate("--bandwidth"),
+        default=55.0,
+        help="link GB/s each way (default: 55)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=_rate("--peak-tflops"),
+        default=989.0,
+        help="compute TFLOP/s (default: 989)",
     )
     p.add_argument("--json", type=Path, help="write the report as JSON here")
     p.add_argument("--plot", type=Path, help="write the memory timeline PNG here")
     return p
 
 
-_UNITS = {"": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_FORMAT = "a size such as 40GiB, 12.5GB, 512MiB, 8e9B (bytes), or 24 (a bare number is GiB)"
+_UNITS = {
+    "": 1 << 30,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"\s*([-+]?[0-9.]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+_SIZE_FLAGS = ("--budget", "--host-budget")
 
 
-def _bytes(text: str) -> int:
-    """Parse ``24GiB``, ``512MiB`` or a bare number of GiB into bytes."""
-    stripped = text.strip().lower().replace(" ", "")
-    number = stripped.rstrip("kmgtib")
-    unit = stripped[len(number) :]
-    if unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r}: give bytes as e.g. 24GiB, 512MiB or 24")
+def _size(flag: str, zero: bool = False) -> Callable[[str], int]:
+    """The argparse type of a size flag: bytes above 0 (or 0 where ``zero``), or a usage error.
+
+    A usage error names the flag and the format; it is never a traceback (``inf``,
+    ``1e400`` and ``nan`` are refused as sizes that are not finite).
+    """
+
+    def parse(text: str) -> int:
+        match = _SIZE.fullmatch(text)
+        unit = _UNITS.get(match[2].lower()) if match else None
+        try:
+            value = float(match[1]) * unit if match and unit else math.nan
+        except ValueError:  # "1.2.3"
+            value = math.nan
+        if math.isnan(value):
+            reason = "is not a size"
+        elif not math.isfinite(value):
+            reason = "is not a finite size"
+        elif value < 0 or (value < 1 and not (zero and value == 0)):
+            reason = "is not a size of 0 bytes or more" if zero else "is not above 0 bytes"
+        else:
+            return int(value)
+        raise argparse.ArgumentTypeError(f"{text!r} {reason}: {flag} takes {_SIZE_FORMAT}")
+
+    return parse
+
+
+def _count(text: str) -> int:
+    """``--ranks-per-node``: a whole number of processes, 1 or more."""
     try:
-        return int(float(number) * _UNITS[unit])
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not a number of bytes") from None
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: --ranks-per-node takes a whole number of processes, 1 or more"
+        )
+    return value
+
+
+def _number(flag: str, zero: bool, what: str) -> Callable[[str], float]:
+    """The argparse type of a finite number above 0 (or 0 and more where ``zero``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            raise argparse.ArgumentTypeError(f"{text!r}: {flag} takes {what}")
+        return value
+
+    return parse
+
+
+def _rate(flag: str) -> Callable[[str], float]:
+    """A rate flag's type: a finite number above 0."""
+    return _number(flag, False, "a number above 0")
+
+
+def _mib(flag: str) -> Callable[[str], float]:
+    """A MiB flag's type: a finite number, 0 or more."""
+    return _number(flag, True, "a number of MiB, 0 or more")
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; a size's unit given as a word of its own gets the format in its error."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    args, extras = parser.parse_known_args(words)
+    if extras:
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        for extra in extras:
+            unit, index = extra.strip(), words.index(extra)
+            before = words[max(index - 2, 0) : index]
+            if before[-1:] and "=" in before[-1]:  # --budget=10 GB
+                before = before[-1].split("=", 1)
+            if unit and unit.lower() in _UNITS and len(before) == 2 and before[0] in _SIZE_FLAGS:
+                flag, number = before
+                message += f"; {flag} takes {_SIZE_FORMAT}, in one word: {flag} {number}{unit}"
+                break
+        parser.error(message)
+    return args
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -269,51 +411,96 @@ def _options(args: argparse.Namespace) -> matepoint.OffloadSettings:
 def main(argv: Sequence[str] | None = None) -> int:
     """Plan a workload and print, and optionally write, the report.
 
+    Everything is planned first (the strategies, the budget search, the options and the
+    largest batch), then printed: "planned in" is the time all of it took.
+
     Args:
         argv: Command-line arguments (default: ``sys.argv[1:]``).
 
     Returns:
-        ``0``; ``2`` for an unknown model or a shape the model cannot take.
+        ``0``; ``1`` when nothing fits ``--budget``; ``2`` for an unknown model or a shape the
+        model cannot take. A usage error exits with ``2`` (argparse's ``SystemExit``).
     """
-    args = _parser().parse_args(argv)
+    args = _parse(_parser(), argv)
     console = Console() if sys.stdout.isatty() else Console(width=140)
+    started = time.perf_counter()
     try:
         workload = _workload(args)
         options = _options(args)
-        started = time.perf_counter()
         memory_plan = plan_workload(
             workload,
             options,
             link_bandwidth=args.bandwidth * _GB,
             peak_flops=args.peak_tflops * 1e12,
         )
+        optimizer_name, state_bytes = optimizer_states(workload, args.optimizer)
     except (KeyError, ValueError) as error:
         console.print(f"[red]{error}[/]")
         return 2
-    seconds = time.perf_counter() - started
-    console.print(describe(workload), highlight=False, soft_wrap=True)
-    console.print(rich_table(memory_plan))
-    for note in _notes(memory_plan):
-        console.print(f"[dim]{note}[/]", highlight=False)
+    states = f"{optimizer_name} states {format_bytes(state_bytes)} counted"
     report: dict[str, Any] = {
         "model": {
             **dataclasses.asdict(workload),
             "description": workload.describe(),
             "parameters": workload.parameter_count(),
         },
-        "planning_seconds": seconds,
+        "optimizer": {"name": args.optimizer, "state_bytes": state_bytes},
         "plan": memory_plan.to_dict(),
     }
     budget: int | None = args.budget
+    # The states stay on the device through the step: the step has the budget less them.
+    step_budget = None if budget is None else budget - state_bytes
     fastest: matepoint.BudgetPlan | None = None
-    if budget is not None:
+    search_error: str | None = None
+    recommendation: matepoint.Recommendation | None = None
+    batch: int | None = None
+    if step_budget is not None and step_budget > 0:
         try:
             fastest = memory_plan.fastest_under(
-                budget, host_budget_bytes=args.host_budget, ranks_per_node=args.ranks_per_node
+                step_budget, host_budget_bytes=args.host_budget, ranks_per_node=args.ranks_per_node
             )
         except RuntimeError as error:  # torch without selective checkpointing (before 2.5)
-            console.print(f"[dim]no fastest-step plan: {error}[/]", highlight=False)
-    if budget is not None and fastest is not None:
+            search_error = str(error)
+        recommendation = memory_plan.recommend(step_budget)
+        if not recommendation.fits:
+            frugal = dataclasses.replace(options, min_offload_bytes=1, stash_bytes=0, prefetch=0)
+            batch = largest_batch(workload, step_budget, frugal)
+    seconds = time.perf_counter() - started
+    report["planning_seconds"] = seconds
+
+    console.print(describe(workload), highlight=False, soft_wrap=True)
+    console.print(
+        f"{states}: they stay on the device through the step; 'peak with {optimizer_name} "
+        "states' adds them to each peak"
+        if args.optimizer != "none"
+        else "no optimizer states counted (--optimizer none)",
+        highlight=False,
+    )
+    table_optimizer = None if args.optimizer == "none" else (optimizer_name, state_bytes)
+    console.print(rich_table(memory_plan, table_optimizer))
+    for note in _notes(memory_plan):
+        console.print(f"[dim]{note}[/]", highlight=False)
+    fits = True
+    if budget is not None and step_budget is not None:
+        report["budget_bytes"] = budget
+        report["step_budget_bytes"] = step_budget
+        console.print(
+            f"[bold]budget {format_bytes(budget)}[/]: {states}, "
+            + (
+                f"{format_bytes(step_budget)} left for the step"
+                if step_budget > 0
+                else "nothing left for the step: nothing fits"
+            ),
+            highlight=False,
+        )
+        fits = step_budget > 0 and (
+            (fastest is not None and fastest.fits)
+            or (recommendation is not None and recommendation.fits)
+        )
+        report["fits"] = fits
+    if search_error is not None:
+        console.print(f"[dim]no fastest-step plan: {search_error}[/]", highlight=False)
+    if fastest is not None:
         console.print(str(fastest), highlight=False)
         report["budget_plan"] = {
             "budget_bytes": fastest.budget_bytes,
@@ -328,9 +515,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "every_block_seconds": fastest.every_block_seconds,
             "smallest_budget_bytes": fastest.smallest_budget_bytes,
         }
-    if budget is not None:
-        recommendation = memory_plan.recommend(budget)
-        console.print(f"[bold]budget {budget / _GIB:g} GiB[/]: {recommendation}")
+    if recommendation is not None and step_budget is not None:
+        console.print(f"[bold]step budget {format_bytes(step_budget)}[/]: {recommendation}")
         report["recommendation"] = {
             "fits": recommendation.fits,
             "options": None
@@ -341,9 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "minimum_peak_bytes": recommendation.minimum_peak_bytes,
             "batch_fraction": recommendation.batch_fraction,
         }
-        if not recommendation.fits:
-            frugal = dataclasses.replace(options, min_offload_bytes=1, stash_bytes=0, prefetch=0)
-            batch = largest_batch(workload, budget, frugal)
+        if batch is not None:
             report["recommendation"]["largest_batch"] = batch
             console.print(
                 f"largest batch that fits (every input offloaded, no stash, no look-ahead): {batch}"
@@ -355,9 +539,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         console.print(f"wrote {args.json}")
     if args.plot is not None:
-        plot(memory_plan, args.plot, budget)
+        label = "budget" if not state_bytes else f"budget less {optimizer_name} states"
+        plot(
+            memory_plan, args.plot, step_budget if step_budget and step_budget > 0 else None, label
+        )
         console.print(f"wrote {args.plot}")
-    return 0
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":
