@@ -508,26 +508,14 @@ def _host_copy_op() -> Any:
     return torch.ops.matepoint_test.copy_out.default
 
 
-@needs_compiled_offload
-@_INDUCTOR_IMPORT
-@pytest.mark.skipif(
-    compat.TORCH_2_12_PLUS, reason="torch 2.12+ copies inside one op (ao::offload), no stream ops"
-)
-def test_inductor_runs_each_forward_copy_alone_on_the_transfer_stream_and_waits_a_block_later(
-    transport: CPUTestTransport, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """torch 2.11's stream ops have no data dependencies; a kernel emitted between a copy's
-    ``fork`` and ``join`` runs after the event the transfer stream waited on (Note [The forward
-    copy window], "Ordering"). So in inductor's generated forward each copy runs alone between
-    its fork and join, and each moved wait comes after the next block's kernels. The CPU test
-    transport has no streams, so the stream path is forced and stream and event ids are plain
-    numbers: the generated code is read, not run. (With torch's placement, max_inflight_bytes
-    0, the wait check fails: each wait follows its join.)"""
+def _generated_code_with_stream_copies(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Force torch 2.11's transfer-stream copies on the CPU test transport, with stream and event
+    ids as plain numbers and each copy an extern op; returns the list inductor's generated code
+    is appended to, graph by graph."""
     import itertools
 
     from torch._functorch._activation_offloading import activation_offloading
     from torch._inductor import graph as inductor_graph
-    from torch._inductor.utils import fresh_inductor_cache
 
     from matepoint._compiled import forward_window as window
 
@@ -565,18 +553,39 @@ def test_inductor_runs_each_forward_copy_alone_on_the_transfer_stream_and_waits_
         return moved
 
     monkeypatch.setattr(window, "bound_forward_waits", with_extern_copies)
+    return codes
 
-    class Residual(nn.Module):
-        """A block whose output add inductor emits lazily (seen inside a fork..join)."""
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.up = nn.Linear(WIDTH, 4 * WIDTH)
-            self.down = nn.Linear(4 * WIDTH, WIDTH)
+class Residual(nn.Module):
+    """A block whose output add inductor emits lazily (seen inside a fork..join)."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.down(F.gelu(self.up(x)))
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+@needs_compiled_offload
+@_INDUCTOR_IMPORT
+@pytest.mark.skipif(
+    compat.TORCH_2_12_PLUS, reason="torch 2.12+ copies inside one op (ao::offload), no stream ops"
+)
+def test_inductor_runs_each_forward_copy_alone_on_the_transfer_stream_and_waits_a_block_later(
+    transport: CPUTestTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.11's stream ops have no data dependencies; a kernel emitted between a copy's
+    ``fork`` and ``join`` runs after the event the transfer stream waited on (Note [The forward
+    copy window], rule 4). So in inductor's generated forward each copy runs alone between
+    its fork and join, and each moved wait comes after the next block's kernels. The CPU test
+    transport has no streams, so the stream path is forced and stream and event ids are plain
+    numbers: the generated code is read, not run. (With torch's placement, max_inflight_bytes
+    0, the wait check fails: each wait follows its join.)"""
+    from torch._inductor.utils import fresh_inductor_cache
+
+    codes = _generated_code_with_stream_copies(monkeypatch)
     blocks = nn.ModuleList(Residual() for _ in range(DEPTH + 1))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
