@@ -198,9 +198,9 @@ def alternate(
 
 def plan_checkpoint_fn(plan: matepoint.BudgetPlan) -> CheckpointFn:
     """``matepoint.checkpoint`` with ``plan``'s policy (its settings go to ``Runner.settings``)."""
-    context_fn = plan.context_fn()
-    extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
-    return functools.partial(matepoint.checkpoint, use_reentrant=False, **extra)
+    return functools.partial(
+        matepoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn()
+    )
 
 
 def measure_finalists(

@@ -165,9 +165,10 @@ def engine_variants(name: str, plan: matepoint.BudgetPlan) -> dict[str, Checkpoi
     engines' costs apart from the policy's: ``{name} on torch`` is torch's checkpoint with the
     plan's ``context_fn``, ``{name} offload off`` matepoint's call offloading nothing (torch's
     checkpoint reached through matepoint). Each has its own ``context_fn`` (each counts the
-    regions of the calls it serves: Note [A plan's regions]). None for a plan without a policy.
+    regions of the calls it serves: Note [A plan's regions]). None for a plan without a policy
+    (its ``context_fn`` is torch's ``noop_context_fn``).
     """
-    if plan.context_fn() is None:
+    if plan.context_fn() is torch_checkpoint.noop_context_fn:
         return {}
     return {
         f"{name} on torch": functools.partial(
