@@ -150,11 +150,12 @@ torch 2.11's transfer-stream offload (``activation_offload_separate_stream``) cr
 and events while the partitioner runs (``new_stream``, ``new_event``: Dynamo's table of objects a
 graph looks up by index at run time). A graph that AOTAutograd's cache hands to another process
 never runs the partitioner there, so its first stream op fails with "Index not registered in
-index_to_user_object_weakref" (seen on an H200 with torch 2.11: the second process of a run
-with a warm cache). From torch 2.12 the copies are ops (``ao::offload``, ``ao::reload``) that
-find their stream when they run, so the graph is cacheable. Where False, a pipelined matepoint
-region's ``context_fn`` carries no ``cache_hash``, so AOTAutograd bypasses its cache for that
-graph (inductor's FX graph cache still serves it: its key holds the stream and event numbers).
+index_to_user_object_weakref" (the ``gpu`` test
+``test_a_second_process_runs_the_pipelined_graph_with_a_warm_compile_cache``). From torch 2.12
+the copies are ops (``ao::offload``, ``ao::reload``) that find their stream when they run, so
+the graph is cacheable. Where False, a pipelined matepoint region's ``context_fn`` carries no
+``cache_hash``, so AOTAutograd bypasses its cache for that graph (inductor's FX graph cache
+still serves it: its key holds the stream and event numbers).
 Shim (gate ``TORCH_2_12_PLUS``) can go when 2.12 is the oldest supported torch.
 """
 
@@ -249,7 +250,7 @@ def mend_record_stream() -> None:
     op before every copy, so neither torch's nor matepoint's compiled offload can copy on the
     transfer stream there. This registers the fake implementation (the op returns nothing and
     changes no tensor metadata) and the side effect torch 2.12 has, for the rest of the process
-    (checked on an H200 with torch 2.11: gradients equal to torch's checkpoint under compile).
+    (the ``gpu`` test ``test_inductor_on_cuda_offloads_and_matches_torch`` checks the gradients).
     Once per process; nothing to do from 2.12 on, nor where the compiled path is off.
     Shim (gate ``TORCH_2_12_PLUS``) can go when 2.12 is the oldest supported torch.
     """
