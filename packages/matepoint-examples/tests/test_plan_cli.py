@@ -130,6 +130,17 @@ def test_a_budget_that_is_no_size_is_a_usage_error(
     assert "--budget takes a size such as 40GiB, 12.5GB, 512MiB, 8e9B (bytes)" in error
 
 
+def test_a_negative_budget_as_a_word_of_its_own_is_told_the_format(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Before: "argument --budget: expected one argument" (argparse takes it for an option).
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main([*TINY_LATENT, "--budget", "-5GiB"])
+    assert exit_info.value.code == 2
+    error = " ".join(capsys.readouterr().err.split())
+    assert "'-5GiB' is not above 0 bytes: --budget takes a size such as 40GiB" in error
+
+
 def test_a_budget_in_two_words_is_told_the_format(capsys: pytest.CaptureFixture[str]) -> None:
     # Before: "unrecognized arguments: GB", and nothing on how to write it.
     for words in (["--budget", "10", "GB"], ["--budget=10", "GB"]):

@@ -222,9 +222,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--budget",
         type=_size("--budget"),
-        help=f"device memory budget ({_SIZE_FORMAT}): the fastest step within it, less the "
-        "optimizer's states (keep, offload or recompute per kind of op), and offload options "
-        "that fit; the exit status is 1 when nothing fits",
+        help=f"device memory budget, the optimizer's states included ({_SIZE_FORMAT}): the "
+        "fastest step within it (keep, offload or recompute per kind of op) and offload "
+        "options that fit; the exit status is 1 when nothing fits",
     )
     p.add_argument(
         "--optimizer",
@@ -347,6 +347,11 @@ def _mib(flag: str) -> Callable[[str], float]:
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``argv``; a size's unit given as a word of its own gets the format in its error."""
     words = list(sys.argv[1:] if argv is None else argv)
+    # argparse takes "-5GiB" for an option ("expected one argument"): hand it to the size's
+    # type, which says what a size is.
+    for index, word in enumerate(words[:-1]):
+        if word in _SIZE_FLAGS and re.match(r"-[0-9.]", words[index + 1]):
+            words[index : index + 2] = [f"{word}={words[index + 1]}"]
     args, extras = parser.parse_known_args(words)
     if extras:
         message = f"unrecognized arguments: {' '.join(extras)}"
