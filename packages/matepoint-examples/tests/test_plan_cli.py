@@ -86,7 +86,12 @@ def test_the_optimizer_states_are_counted_against_the_budget(
     capsys.readouterr()
     args = [*TINY_LATENT, "--budget", f"{budget}B", "--json", str(out_json)]
     assert plan_cli.main([*args, "--optimizer", "none"]) == 0
-    assert "no optimizer states counted (--optimizer none)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "peak with" not in printed
+    assert (
+        f"budget {format_bytes(budget)}: no optimizer states counted (--optimizer none), "
+        f"{format_bytes(budget)} left for the step"
+    ) in printed
     assert json.loads(out_json.read_text())["step_budget_bytes"] == budget
     assert plan_cli.main(args) == 1  # --optimizer adamw is the default
     printed = capsys.readouterr().out

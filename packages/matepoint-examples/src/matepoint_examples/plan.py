@@ -442,7 +442,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyError, ValueError) as error:
         console.print(f"[red]{error}[/]")
         return 2
-    states = f"{optimizer_name} states {format_bytes(state_bytes)} counted"
+    states = (
+        "no optimizer states counted (--optimizer none)"
+        if args.optimizer == "none"
+        else f"{optimizer_name} states {format_bytes(state_bytes)} counted"
+    )
     report: dict[str, Any] = {
         "model": {
             **dataclasses.asdict(workload),
@@ -475,10 +479,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     console.print(describe(workload), highlight=False, soft_wrap=True)
     console.print(
-        f"{states}: they stay on the device through the step; 'peak with {optimizer_name} "
-        "states' adds them to each peak"
-        if args.optimizer != "none"
-        else "no optimizer states counted (--optimizer none)",
+        states
+        if args.optimizer == "none"
+        else f"{states}: they stay on the device through the step; 'peak with "
+        f"{optimizer_name} states' adds them to each peak",
         highlight=False,
     )
     table_optimizer = None if args.optimizer == "none" else (optimizer_name, state_bytes)
