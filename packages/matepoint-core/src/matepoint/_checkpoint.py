@@ -255,7 +255,7 @@ def _checkpoint(
     offload: OffloadOptions | bool | None,
 ) -> Any:
     """:func:`checkpoint` once the 0.1.x keywords are gone (the decorator enters here too)."""
-    # See Note [The compiled path] (matepoint/_compiled.py); experimental and opt-in.
+    # See Note [The compiled path] (matepoint._compiled); experimental and opt-in.
     if compat.compile_tracing() and get_options().compiled_offload:
         return _compiled.checkpoint(
             function, args, kwargs, use_reentrant=use_reentrant, pipeline=pipeline, offload=offload

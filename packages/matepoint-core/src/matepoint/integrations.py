@@ -23,6 +23,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from matepoint._checkpoint import checkpoint
@@ -71,7 +72,9 @@ def matepoint_checkpoint_fn(
         if "context_fn" in checkpoint_kwargs:
             raise TypeError("a budget_plan brings its own context_fn; pass one or the other")
         configure(**budget_plan.settings_changes())
-        if (context_fn := budget_plan.context_fn()) is not None:
+        # A plan that decides nothing leaves the call without a context_fn, so the compiled
+        # path keeps its own (Note [The compiled path] in matepoint._compiled).
+        if (context_fn := budget_plan.context_fn()) is not torch_checkpoint.noop_context_fn:
             checkpoint_kwargs["context_fn"] = context_fn
     return functools.partial(checkpoint, **{"use_reentrant": False, **checkpoint_kwargs})
 
