@@ -12,7 +12,7 @@ import pytest
 from test_budget import BLOCKS, FREE_LINK, FREE_POLICY, _plan
 
 import matepoint
-from matepoint._planner import policy
+from matepoint._planner import decision, policy
 from matepoint._planner import search as _budget
 from matepoint._planner.policy import AVAILABLE
 
@@ -49,8 +49,8 @@ def _search(
     with monkeypatch.context() as patch:
         patch.setattr(_budget, "context_fn_of", logged)
         if not bounds:
-            patch.setattr(_budget, "_cannot_fit_kept", lambda *args: False)
-            patch.setattr(_budget, "_surely_fits_kept", lambda *args: False)
+            patch.setattr(decision, "cannot_fit_kept", lambda *args: False)
+            patch.setattr(decision, "surely_fits_kept", lambda *args: False)
         memory_plan = _plan(blocks)
         lowest, highest = memory_plan["matepoint"].peak_bytes, memory_plan["none"].peak_bytes
         budget = lowest + int((highest - lowest) * share)

@@ -1,50 +1,77 @@
 """The fastest step that fits a device-memory budget: keep, offload or recompute each kind of op.
 
-A checkpointed step recomputes every activation of its regions in backward, which costs about a
-fifth of a transformer's step; keeping what is expensive to recompute buys that time back with
-device memory, and offloading it buys it back with link time that forward's compute can hide.
-:func:`fastest_under` chooses, per kind of op inside the checkpointed regions (Note [Op kinds]
-in ``matepoint._planner.op_kinds``), one of the three, in every region or keeping in the last
-regions only (Note [A plan's regions]), and the look-ahead, so that the planned
-step is as fast as the time model says it can be while its planned peak stays within the
-budget. Every candidate is planned by running the step itself on the meta device through the
-real engine (``matepoint.plan``), so its peak, host RAM and link bytes are the planner's exact
-figures; only the times are estimates.
+A checkpointed step recomputes every activation of its regions in backward, a large share of a
+transformer's step (docs/budget.md); keeping what is expensive to recompute buys that time back
+with device memory, and offloading it buys it back with link time that forward's compute can
+hide. :func:`fastest_under` chooses, per kind of op inside the checkpointed regions (Note [Op
+kinds] in ``matepoint._planner.op_kinds``), one of the three, in every region or keeping in the
+last regions only (Note [A plan's regions]), and the look-ahead, so that the planned step is as
+fast as the time model says it can be while its planned peak stays within the budget. Every
+candidate is planned by running the step itself on the meta device through the real engine
+(``matepoint.plan``), so its peak, host RAM and link bytes are the planner's exact figures; only
+the times are estimates.
+
+The search is two parts: the replanning loop here, which plans candidate steps and hands their
+outcomes on as numbers, and the decision rule in ``matepoint._planner.decision``, pure functions
+of those numbers, which says what to plan next and what to keep.
 
 Note [The budget search]
-    Kinds are ranked by recompute FLOPs per byte their outputs hold (attention near twice the
-    sequence length, a matrix product near its inner width) and taken best first; a kind the
-    profiled step's recomputation never runs (a block's last projection, after everything
-    backward reads: torch's recomputation stops before it) is skipped, as keeping or offloading
-    it saves nothing. Any policy at
-    all costs host time on every op of the regions (``DeviceModel.policy_seconds_per_op``), the
-    same whatever it keeps: the search compares choices without it, then keeps the policy only
-    if what it saves pays for it (on a small, launch-bound model it may not). Each is kept on
-    the device if the step still fits and gets faster; where keeping does not fit, it is
-    offloaded if that fits and the step gets faster (the link's time beyond the compute it
-    overlaps counts against it); else recomputed (an offload saves no more recompute than
-    keeping, so a keep that fits without helping rules it out). When an offload does not fit
-    with the look-ahead in force, fewer records fetched ahead (``prefetch`` 1) are tried. A kind
-    that did not fit kept in every region is then tried kept in the last regions only (Note [A
-    plan's regions]), as many as the room left suggests (its bytes per region against the budget
-    less the peak), then half as many, best kind first and two steps planned at most. Last,
-    where nothing is offloaded by the policy, the same choice with the checkpoint inputs held on
-    the device (``min_offload_bytes`` above them all, so torch's checkpoint where nothing is
-    kept) is taken if it fits: the link's copies cost the host time to issue and compete with
-    compute on a small or launch-bound model, which the time model does not see, and the budget
-    has no use for the memory they free. A step is planned per try: one profile, then at most a
-    few per kind. Before torch 2.11, whose selective checkpointing has no offload values, a plan
-    keeps or recomputes only.
+    Rule 1. Kinds are ranked by recompute FLOPs per byte their outputs hold (attention near
+        twice the sequence length, a matrix product near its inner width) and taken best first.
+        A kind the profiled step's recomputation never runs (a block's last projection, after
+        everything backward reads: torch's recomputation stops before it) is not tried: keeping
+        or offloading it saves nothing.
+    Rule 2. Any policy at all costs host time on every op of the regions, in forward and in the
+        recomputation (``DeviceModel.policy_seconds_per_op``), the same whatever it keeps: tries
+        are compared without it, and rule 7 charges it once at the end.
+    Rule 3. Where the starting step (matepoint on every region) does not fit with its
+        look-ahead, it is planned again without (``prefetch`` 0), which is taken if it fits.
+    Rule 4. Each kind is tried kept, then offloaded with the look-ahead in force, then offloaded
+        with one record fetched ahead (``prefetch`` 1). The first try that fits decides: it is
+        taken if the step gets faster (the link's time beyond the compute it overlaps counts
+        against an offload), else the kind is recomputed. An offload saves no more recompute
+        than keeping, so a keep that fits without helping rules it out; fewer records ahead
+        only help to fit, never to be faster. Before torch 2.11, whose selective checkpointing
+        has no offload values, a kind is kept or recomputed only.
+    Rule 5. A kind whose keep did not fit in every region is then tried kept in the last
+        regions only (Note [A plan's regions]): as many as the room left suggests (its bytes
+        per region against the budget less the best peak), then half as many; best kind first,
+        two steps planned at most over all kinds. A count is taken if it fits and the step gets
+        faster.
+    Rule 6. Where the policy offloads nothing, the same choice with the checkpoint inputs held
+        on the device (``min_offload_bytes`` above them all, so torch's checkpoint where nothing
+        is kept) is taken if it fits and is no slower: the link's copies cost the host time to
+        issue and compete with compute on a small or launch-bound model, which the time model
+        does not see, and the budget has no use for the memory they free.
+    Rule 7. A policy is kept only if the best step with it, its host cost counted (rule 2), is
+        faster than the best step without one: on a small, launch-bound model it may not be.
+    A step is planned per try: one profile, then at most a few per kind.
+
+Note [Steps the search spares]
+    Each try of the search is a planned step, the search's whole cost; two bounds spare the
+    tries whose outcome they already know, and change no choice the search makes.
+    Rule 1. Keeping a kind holds its outputs of every region from forward into backward, on top
+        of what forward already leaves: a keep whose outputs, added to the device bytes at the
+        end of the best step so far's forward, exceed the budget cannot fit. It is not planned,
+        and the kind goes on to an offload as after a keep planned that did not fit.
+    Rule 2. Keeping a kind adds at most its outputs, each rounded as the allocator rounds it, to
+        any moment of the step: where the best step's peak plus the outputs of every kind left
+        fits the budget, every kind is planned kept at once, one step instead of one per kind.
+        The search would have kept each (a keep that fits only saves recompute), so where that
+        step fits and is faster it is taken; where it is not, the search goes on kind by kind.
+    Rule 3. Neither bound decides on its own that a plan fits: only planned steps do.
 
 Note [Measured finalists]
-    The time model's least certain term is the policy's host cost: how much of it the
-    device's work hides depends on the host's speed and the model's op sizes, and the share
-    that shows differs several-fold between models and hosts (docs/budget.md). Given
-    ``measure``, the search does not decide on that estimate: where it found a
-    plan with a policy, it hands two finalists, that plan and the best without a policy (each
-    with the checkpoint inputs held on the device where that fits), to ``measure``, which times
-    them on the real model (``math.inf`` for one that could not run, out of memory), and
-    returns the faster. A search that found no policy worth trying measures nothing.
+    Rule 1. The time model's least certain term is the policy's host cost: how much of it the
+        device's work hides depends on the host's speed and the model's op sizes
+        (docs/budget.md). Given ``measure``, the search does not decide on that estimate (Note
+        [The budget search], rule 7).
+    Rule 2. Where it found a plan with a policy, it hands two finalists to ``measure``: that
+        plan and the best without a policy, each with the checkpoint inputs held on the device
+        where that fits (Note [The budget search], rule 6). ``measure`` times them on the real
+        model (``math.inf`` for one that could not run, out of memory), and the faster is
+        returned with the times.
+    Rule 3. A search that found no policy worth trying measures nothing.
 """
 
 from __future__ import annotations
@@ -57,63 +84,124 @@ from typing import NamedTuple
 import torch
 
 from matepoint._options import OffloadSettings
+from matepoint._planner import decision
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.op_kinds import KindProfile, RegionProfiler
 from matepoint._planner.policy import AVAILABLE, OFFLOAD_AVAILABLE, Decision, context_fn_of
 from matepoint._planner.step import Planned, StrategyPlan
 from matepoint._planner.time_model import DeviceModel, step_seconds
-from matepoint._planner.trace import ALLOCATION_GRANULARITY
 
 __all__ = ["fastest_under"]
 
 
-# Steps planned to keep kinds in the last regions only, at most (Note [The budget search]).
+# Steps planned to keep kinds in the last regions only, at most (Note [The budget search], rule 5).
 _REGION_TRIES = 2
-
-# Note [Steps the search spares]
-#     Each try of the search is a planned step, the search's whole cost; two bounds spare the
-#     tries whose outcome they already know, and change no choice the search makes.
-#     - Keeping a kind holds its outputs of every region from forward into backward, on top of
-#       what forward already leaves: a keep whose outputs, added to the device bytes at the end
-#       of the best step so far's forward, exceed the budget cannot fit, and is not planned (it
-#       goes on to an offload, as a keep that was planned and did not fit).
-#     - Keeping a kind adds at most its outputs (each rounded as the allocator rounds it) to any
-#       moment of the step: where the best step's peak plus the outputs of every kind left
-#       fits, every kind is planned kept at once, one step instead of one per kind. The search
-#       would have kept each (a keep that fits only saves recompute), so where that step fits
-#       and is faster it is taken; where it is not, the search goes on kind by kind.
-#     Neither bound decides on its own that a plan fits: only planned steps do.
-
-# Outputs of one op call, each rounded up to the allocator's granularity, at most (attention
-# returns its output, its log-sum-exp and its random state): Note [Steps the search spares].
-_OUTPUTS_PER_CALL = 4
-
-
-def _cannot_fit_kept(best: StrategyPlan, kind: KindProfile, budget_bytes: int) -> bool:
-    """Whether keeping ``kind`` on top of ``best`` surely exceeds the budget.
-
-    Note [Steps the search spares].
-    """
-    forward_end = best.baseline_bytes + best.held_after_forward_bytes
-    return forward_end + kind.output_bytes > budget_bytes
-
-
-def _surely_fits_kept(best: StrategyPlan, kinds: Sequence[KindProfile], budget_bytes: int) -> bool:
-    """Whether keeping every kind in ``kinds`` on top of ``best`` surely fits the budget.
-
-    Note [Steps the search spares].
-    """
-    rounding = _OUTPUTS_PER_CALL * ALLOCATION_GRANULARITY
-    added = sum(kind.output_bytes + kind.calls * rounding for kind in kinds)
-    return best.peak_bytes + added <= budget_bytes
 
 
 class _Trial(NamedTuple):
-    """One planned candidate: its step, its settings and its estimated time."""
+    """One planned candidate: its step, its settings, its estimated time and whether it fits."""
 
     plan: StrategyPlan
     settings: OffloadSettings
     seconds: float
+    fits: bool
+
+    @property
+    def outcome(self) -> decision.Outcome:
+        """What the decision rule sees of it."""
+        return decision.Outcome(self.seconds, self.fits)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Budget:
+    """What a step may use.
+
+    Attributes:
+        device_bytes: Device memory the step may use.
+        host_bytes: Pinned host RAM one node may use, or None for no limit.
+        ranks_per_node: Ranks sharing a node's host RAM, each with its own pool.
+    """
+
+    device_bytes: int
+    host_bytes: int | None
+    ranks_per_node: int
+
+    def fits(self, plan: StrategyPlan) -> bool:
+        """Whether ``plan`` fits both budgets."""
+        return decision.fits(
+            plan.peak_bytes,
+            plan.pinned_bytes,
+            self.ranks_per_node,
+            self.device_bytes,
+            self.host_bytes,
+        )
+
+
+def _timed(
+    plan: StrategyPlan,
+    settings: OffloadSettings,
+    device: DeviceModel,
+    budget: _Budget,
+    policy_ops: int = 0,
+) -> _Trial:
+    """``plan`` as a candidate, timed with ``policy_ops`` ops through a policy."""
+    seconds = step_seconds(plan, device, settings.prefetch, policy_ops)
+    return _Trial(plan, settings, seconds, budget.fits(plan))
+
+
+@dataclasses.dataclass
+class _Search:
+    """One budget search: what it plans with, and the least peak it has planned.
+
+    Attributes:
+        replan: Plans the matepoint step with other settings and a ``context_fn=``.
+        device: The time model's device.
+        budget: What the step may use.
+        regions: The profiled step's checkpoint calls, at least 1 (Note [A plan's regions]).
+        policy_ops: Ops a policy meets in one step: every op of the regions, in forward and
+            again in the recomputation (Note [The budget search], rule 2).
+        kinds: The profiled kinds of op, best to keep first (Note [Op kinds]).
+        every_block: The profiled step: matepoint on every region, nothing kept.
+        smallest: The least peak among the steps planned so far, the profile's included.
+    """
+
+    replan: Callable[..., Planned]
+    device: DeviceModel
+    budget: _Budget
+    regions: int
+    policy_ops: int
+    kinds: tuple[KindProfile, ...]
+    every_block: _Trial
+    smallest: int
+
+    def attempt(
+        self,
+        decisions: dict[str, Decision],
+        kept_in_last: dict[str, int],
+        settings: OffloadSettings,
+        policy_cost: bool = False,
+    ) -> _Trial:
+        """Plan one candidate; its time leaves out the policy's host cost unless asked."""
+        context_fn = context_fn_of(decisions, kept_in_last, self.regions)
+        planned = self.replan(settings, context_fn=context_fn)[0]
+        self.smallest = min(self.smallest, planned.peak_bytes)
+        ops = self.policy_ops if policy_cost and context_fn else 0
+        return _timed(planned, settings, self.device, self.budget, ops)
+
+
+@dataclasses.dataclass
+class _Choice:
+    """The best candidate so far and the choice that gave it.
+
+    Attributes:
+        trial: Its planned step.
+        decisions: Per class of op kept or offloaded in every region; the rest are recomputed.
+        kept_in_last: Classes kept in the last regions only, with how many.
+    """
+
+    trial: _Trial
+    decisions: dict[str, Decision] = dataclasses.field(default_factory=dict)
+    kept_in_last: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def fastest_under(
@@ -148,127 +236,180 @@ def fastest_under(
         )
     if ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+    budget = _Budget(budget_bytes, host_budget_bytes, ranks_per_node)
+    search = _profiled(replan, settings, budget, device)
+    plain = _start(search)
+    best = _Choice(plain)
+    overflowed = _decide_kinds(search, best)
+    _keep_in_last_regions(search, best, overflowed)
+    return _conclude(search, plain, best, measure)
 
-    def fits(trial: _Trial) -> bool:
-        host = trial.plan.pinned_bytes * ranks_per_node
-        return trial.plan.peak_bytes <= budget_bytes and (
-            host_budget_bytes is None or host <= host_budget_bytes
-        )
 
+def _profiled(
+    replan: Callable[..., Planned],
+    settings: OffloadSettings,
+    budget: _Budget,
+    device: DeviceModel,
+) -> _Search:
+    """Plan the step once with every region profiled (Note [Op kinds]), and start a search."""
     profiler = RegionProfiler()
     profiled = replan(settings, context_fn=profiler)[0]
-    baseline = _Trial(profiled, settings, step_seconds(profiled, device, settings.prefetch))
-    smallest, regions = baseline.plan.peak_bytes, max(profiler.regions, 1)
-    kinds = profiler.kinds()
-    # Every op of the regions meets the policy twice: in forward and in the recomputation.
-    policy_ops = 2 * profiler.ops
-
-    def attempt(
-        decisions: dict[str, Decision],
-        kept_in_last: dict[str, int],
-        candidate: OffloadSettings,
-        policy_cost: bool = False,
-    ) -> _Trial:
-        """Plan one candidate; its time leaves out the policy's host cost unless asked."""
-        nonlocal smallest
-        context_fn = context_fn_of(decisions, kept_in_last, regions)
-        tried = replan(candidate, context_fn=context_fn)[0]
-        smallest = min(smallest, tried.peak_bytes)
-        ops = policy_ops if policy_cost and context_fn else 0
-        return _Trial(tried, candidate, step_seconds(tried, device, candidate.prefetch, ops))
-
-    best = baseline
-    if not fits(baseline) and settings.prefetch > 0:
-        fewer = attempt({}, {}, dataclasses.replace(settings, prefetch=0))
-        best = fewer if fits(fewer) else best
-    plain = best
-    decisions: dict[str, Decision] = {}
-    overflowed: list[KindProfile] = []  # kept everywhere, they did not fit
-    # A kind backward never recomputes saves nothing kept or offloaded: not tried.
-    candidates = [kind for kind in kinds if kind.recomputed] if fits(best) else []
-    # Note [Steps the search spares]: every kind kept at once, where that surely fits.
-    if len(candidates) > 1 and _surely_fits_kept(best.plan, candidates, budget_bytes):
-        every_kind: dict[str, Decision] = {kind.kind: "keep" for kind in candidates}
-        everything = attempt(every_kind, {}, best.settings)
-        if fits(everything) and everything.seconds < best.seconds:
-            best, decisions, candidates = everything, every_kind, []
-    for kind in candidates:
-        # Note [Steps the search spares]: a keep that cannot fit is not planned.
-        kept = None
-        if not _cannot_fit_kept(best.plan, kind, budget_bytes):
-            kept = attempt({**decisions, kind.kind: "keep"}, {}, best.settings)
-        if kept is not None and fits(kept):  # an offload saves what keeping saves, and link time
-            if kept.seconds < best.seconds:
-                best, decisions[kind.kind] = kept, "keep"
-            continue
-        overflowed.append(kind)
-        ahead = best.settings.prefetch  # an offload that does not fit tries 1 record ahead
-        for prefetch in dict.fromkeys((ahead, min(ahead, 1))) if OFFLOAD_AVAILABLE else ():
-            offloaded = attempt(
-                {**decisions, kind.kind: "offload"},
-                {},
-                dataclasses.replace(best.settings, prefetch=prefetch),
-            )
-            if fits(offloaded):  # fewer records ahead only helps to fit, never to be faster
-                if offloaded.seconds < best.seconds:
-                    best, decisions[kind.kind] = offloaded, "offload"
-                break
-    # Note [The budget search]: what did not fit everywhere, kept in the last regions.
-    kept_in_last: dict[str, int] = {}
-    tries = _REGION_TRIES
-    for kind in overflowed if regions > 1 else ():
-        room = budget_bytes - best.plan.peak_bytes
-        last = min(regions - 1, room * kind.calls // max(kind.output_bytes, 1))
-        for count in dict.fromkeys((last, last // 2)):
-            if count < 1 or tries == 0:
-                break
-            tries -= 1
-            trial_last = {**kept_in_last, kind.kind: count}
-            tried = attempt(decisions, trial_last, best.settings)
-            if fits(tried) and tried.seconds < best.seconds:
-                best, kept_in_last = tried, trial_last
-                break
-    smallest_tried = smallest  # the on-device steps below are never counted in it
-
-    def finish(trial: _Trial, chosen: dict[str, Decision], last: dict[str, int]) -> BudgetPlan:
-        """The plan of ``trial``, its inputs held on the device if that fits and is no slower."""
-        if "offload" not in chosen.values():
-            # Note [The budget search]: no link at all where the budget holds the inputs too.
-            on_device = dataclasses.replace(
-                trial.settings, min_offload_bytes=baseline.plan.bytes_to_host + 1
-            )
-            tried = attempt(chosen, last, on_device, policy_cost=True)
-            if fits(tried) and tried.seconds <= trial.seconds:
-                trial = tried
-        return BudgetPlan(
-            budget_bytes=budget_bytes,
-            host_budget_bytes=host_budget_bytes,
-            ranks_per_node=ranks_per_node,
-            fits=fits(trial),
-            decisions=tuple(sorted(chosen.items())),
-            kept_in_last=tuple(sorted(last.items())),
-            regions=regions,
-            prefetch=trial.settings.prefetch,
-            min_offload_bytes=trial.settings.min_offload_bytes,
-            peak_bytes=trial.plan.peak_bytes,
-            pinned_bytes_per_node=trial.plan.pinned_bytes * ranks_per_node,
-            step_seconds=trial.seconds,
-            every_block_seconds=baseline.seconds,
-            smallest_budget_bytes=smallest_tried,
-            kinds=tuple(kinds),
-            strategy_plan=trial.plan,
-        )
-
-    if not (decisions or kept_in_last):
-        return finish(plain, {}, {})
-    charged = best._replace(
-        seconds=step_seconds(best.plan, device, best.settings.prefetch, policy_ops)
+    return _Search(
+        replan=replan,
+        device=device,
+        budget=budget,
+        regions=max(profiler.regions, 1),
+        # Every op of the regions meets the policy twice: in forward and in the recomputation.
+        policy_ops=2 * profiler.ops,
+        kinds=tuple(profiler.kinds()),
+        every_block=_timed(profiled, settings, device, budget),
+        smallest=profiled.peak_bytes,
     )
-    if measure is not None:  # Note [Measured finalists]
-        return _measured((finish(charged, decisions, kept_in_last), finish(plain, {}, {})), measure)
-    if charged.seconds < plain.seconds:
-        return finish(charged, decisions, kept_in_last)
-    return finish(plain, {}, {})  # the recompute it saves does not pay for the policy's host time
+
+
+def _start(search: _Search) -> _Trial:
+    """The best step without a policy: the profiled one, or without look-ahead where only
+    that fits (Note [The budget search], rule 3)."""
+    every_block = search.every_block
+    settings = every_block.settings
+    if not decision.starts_without_look_ahead(every_block.fits, settings.prefetch):
+        return every_block
+    fewer = search.attempt({}, {}, dataclasses.replace(settings, prefetch=0))
+    return fewer if fewer.fits else every_block
+
+
+def _decide_kinds(search: _Search, best: _Choice) -> list[KindProfile]:
+    """Keep, offload or recompute each kind worth a try, best first, into ``best``.
+
+    Returns the kinds whose keep did not fit in every region (Note [The budget search], rules 1
+    and 4).
+    """
+    if not best.trial.fits:
+        return []
+    recomputed = [kind.recomputed for kind in search.kinds]
+    kinds = [search.kinds[index] for index in decision.kinds_to_try(recomputed)]
+    # Note [Steps the search spares], rule 2: every kind kept at once, where that surely fits.
+    surely_fits = len(kinds) > 1 and decision.surely_fits_kept(
+        best.trial.plan.peak_bytes,
+        [kind.output_bytes for kind in kinds],
+        [kind.calls for kind in kinds],
+        search.budget.device_bytes,
+    )
+    if surely_fits and _keep_every_kind(search, best, kinds):
+        return []
+    return [kind for kind in kinds if not _decide_kind(search, best, kind)]
+
+
+def _keep_every_kind(search: _Search, best: _Choice, kinds: list[KindProfile]) -> bool:
+    """Plan every kind kept at once; take it if it fits and is faster, and say whether it was
+    taken (Note [Steps the search spares], rule 2)."""
+    every_kind: dict[str, Decision] = {kind.kind: "keep" for kind in kinds}
+    everything = search.attempt(every_kind, {}, best.trial.settings)
+    if not decision.improves(everything.outcome, best.trial.seconds):
+        return False
+    best.trial, best.decisions = everything, every_kind
+    return True
+
+
+def _decide_kind(search: _Search, best: _Choice, kind: KindProfile) -> bool:
+    """Try ``kind`` kept, then offloaded, until a try fits, and take what the decision rule
+    says (Note [The budget search], rule 4). Returns whether its keep fitted."""
+    trial = best.trial
+    forward_end = trial.plan.baseline_bytes + trial.plan.held_after_forward_bytes
+    # Note [Steps the search spares], rule 1: a keep that cannot fit is not planned.
+    keep_can_fit = not decision.cannot_fit_kept(
+        forward_end, kind.output_bytes, search.budget.device_bytes
+    )
+    tries = decision.kind_tries(trial.settings.prefetch, OFFLOAD_AVAILABLE, keep_can_fit)
+    planned: list[_Trial] = []
+    for choice, prefetch in tries:
+        settings = dataclasses.replace(trial.settings, prefetch=prefetch)
+        planned.append(search.attempt({**best.decisions, kind.kind: choice}, {}, settings))
+        if planned[-1].fits:  # the first try that fits decides: no later one is planned
+            break
+    taken = decision.kind_choice(trial.seconds, [tried.outcome for tried in planned])
+    if taken is not None:
+        best.trial, best.decisions[kind.kind] = planned[taken], tries[taken][0]
+    return keep_can_fit and planned[0].fits
+
+
+def _keep_in_last_regions(search: _Search, best: _Choice, overflowed: list[KindProfile]) -> None:
+    """Try the kinds whose keep did not fit everywhere kept in the last regions only, into
+    ``best`` (Note [The budget search], rule 5)."""
+    tries_left = _REGION_TRIES
+    for kind in overflowed:
+        room = search.budget.device_bytes - best.trial.plan.peak_bytes
+        counts = decision.region_counts(
+            search.regions, room, kind.calls, kind.output_bytes, tries_left
+        )
+        for count in counts:
+            tries_left -= 1
+            kept_in_last = {**best.kept_in_last, kind.kind: count}
+            tried = search.attempt(best.decisions, kept_in_last, best.trial.settings)
+            if decision.improves(tried.outcome, best.trial.seconds):
+                best.trial, best.kept_in_last = tried, kept_in_last
+                break
+
+
+def _conclude(
+    search: _Search,
+    plain: _Trial,
+    best: _Choice,
+    measure: Callable[[Sequence[BudgetPlan]], Sequence[float]] | None,
+) -> BudgetPlan:
+    """The plan: ``best`` with its policy's host cost, or ``plain``, whichever is faster or
+    measures faster (Note [The budget search], rule 7; Note [Measured finalists])."""
+    smallest = search.smallest  # the on-device tries of _budget_plan are never counted in it
+    if not (best.decisions or best.kept_in_last):  # Note [Measured finalists], rule 3
+        return _budget_plan(search, _Choice(plain), smallest)
+    charged = best.trial._replace(
+        seconds=step_seconds(
+            best.trial.plan, search.device, best.trial.settings.prefetch, search.policy_ops
+        )
+    )
+    with_policy = _Choice(charged, best.decisions, best.kept_in_last)
+    if measure is not None:  # Note [Measured finalists], rule 2
+        finalists = (
+            _budget_plan(search, with_policy, smallest),
+            _budget_plan(search, _Choice(plain), smallest),
+        )
+        return _measured(finalists, measure)
+    if decision.policy_pays(charged.seconds, plain.seconds):
+        return _budget_plan(search, with_policy, smallest)
+    return _budget_plan(search, _Choice(plain), smallest)
+
+
+def _budget_plan(search: _Search, chosen: _Choice, smallest: int) -> BudgetPlan:
+    """The plan of ``chosen``, its inputs held on the device where that fits and is no slower
+    (Note [The budget search], rule 6); ``smallest`` is the least peak the search planned."""
+    trial = chosen.trial
+    if decision.tries_inputs_on_device(chosen.decisions.values()):
+        min_offload_bytes = decision.inputs_on_device_min_offload_bytes(
+            search.every_block.plan.bytes_to_host
+        )
+        on_device = dataclasses.replace(trial.settings, min_offload_bytes=min_offload_bytes)
+        held = search.attempt(chosen.decisions, chosen.kept_in_last, on_device, policy_cost=True)
+        if decision.holds_inputs_on_device(held.outcome, trial.seconds):
+            trial = held
+    budget = search.budget
+    return BudgetPlan(
+        budget_bytes=budget.device_bytes,
+        host_budget_bytes=budget.host_bytes,
+        ranks_per_node=budget.ranks_per_node,
+        fits=trial.fits,
+        decisions=tuple(sorted(chosen.decisions.items())),
+        kept_in_last=tuple(sorted(chosen.kept_in_last.items())),
+        regions=search.regions,
+        prefetch=trial.settings.prefetch,
+        min_offload_bytes=trial.settings.min_offload_bytes,
+        peak_bytes=trial.plan.peak_bytes,
+        pinned_bytes_per_node=trial.plan.pinned_bytes * budget.ranks_per_node,
+        step_seconds=trial.seconds,
+        every_block_seconds=search.every_block.seconds,
+        smallest_budget_bytes=smallest,
+        kinds=search.kinds,
+        strategy_plan=trial.plan,
+    )
 
 
 def _measured(

@@ -1,0 +1,182 @@
+"""The budget search's decision rule, over plain numbers: keep, offload or recompute a kind.
+
+The search (``matepoint._planner.search``) plans candidate steps on the meta device and hands
+their outcomes here as numbers: bytes, seconds, counts, and whether a step fits. Nothing in this
+module plans a step or reads a plan, so each rule of Note [The budget search] and Note [Steps the
+search spares] (both in ``matepoint._planner.search``) is a pure function that tests check on
+numbers alone, as torch's activation-checkpointing knapsack solvers are pure functions over
+plain lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from matepoint._planner.policy import Decision
+from matepoint._planner.trace import ALLOCATION_GRANULARITY
+
+__all__ = [
+    "Outcome",
+    "cannot_fit_kept",
+    "fits",
+    "holds_inputs_on_device",
+    "improves",
+    "inputs_on_device_min_offload_bytes",
+    "kind_choice",
+    "kind_tries",
+    "kinds_to_try",
+    "policy_pays",
+    "region_counts",
+    "starts_without_look_ahead",
+    "surely_fits_kept",
+    "tries_inputs_on_device",
+]
+
+# Outputs of one op call, each rounded up to the allocator's granularity, at most (attention
+# returns its output, its log-sum-exp and its random state). See Note [Steps the search spares],
+# rule 2.
+OUTPUTS_PER_CALL = 4
+
+
+class Outcome(NamedTuple):
+    """One planned try of the search, as the rule compares tries: its time, and whether its
+    bytes fit.
+
+    Attributes:
+        seconds: Its estimated step time, without the policy's host cost (Note [The budget
+            search], rule 2).
+        fits: Whether it fits the device and the host budget (:func:`fits`).
+    """
+
+    seconds: float
+    fits: bool
+
+
+def fits(
+    peak_bytes: int,
+    pinned_bytes: int,
+    ranks_per_node: int,
+    budget_bytes: int,
+    host_budget_bytes: int | None,
+) -> bool:
+    """Whether a step fits: its peak within the device budget, and the pinned host RAM of the
+    node's ranks (each pins ``pinned_bytes``) within the host budget, if there is one."""
+    host = pinned_bytes * ranks_per_node
+    return peak_bytes <= budget_bytes and (host_budget_bytes is None or host <= host_budget_bytes)
+
+
+def kinds_to_try(recomputed: Sequence[int]) -> list[int]:
+    """The kinds worth a try, by index in their ranking: those backward's recomputation runs.
+
+    ``recomputed[i]`` is how many calls of kind ``i`` backward runs again when nothing is kept.
+    See Note [The budget search], rule 1.
+    """
+    return [index for index, calls in enumerate(recomputed) if calls > 0]
+
+
+def starts_without_look_ahead(fits: bool, prefetch: int) -> bool:
+    """Whether the search plans its starting step again without look-ahead: where it does not
+    fit with records fetched ahead. See Note [The budget search], rule 3."""
+    return not fits and prefetch > 0
+
+
+def kind_tries(
+    prefetch: int, offload_available: bool, keep_can_fit: bool
+) -> list[tuple[Decision, int]]:
+    """The tries of one kind, in order: each a decision and the look-ahead it is planned with.
+
+    Kept with the look-ahead ``prefetch`` in force, unless the keep surely cannot fit (Note
+    [Steps the search spares], rule 1); then offloaded with ``prefetch``, then with one record
+    ahead if that is fewer. Torch without selective offload values has no offload tries. See
+    Note [The budget search], rule 4.
+    """
+    tries: list[tuple[Decision, int]] = [("keep", prefetch)] if keep_can_fit else []
+    if offload_available:
+        tries.extend(("offload", ahead) for ahead in dict.fromkeys((prefetch, min(prefetch, 1))))
+    return tries
+
+
+def kind_choice(best_seconds: float, outcomes: Sequence[Outcome]) -> int | None:
+    """Which of a kind's tries is taken, by index in ``outcomes``; None: the kind is recomputed.
+
+    The first try that fits decides: it is taken if it is faster than ``best_seconds``, the best
+    step so far, else the kind is recomputed, whatever the tries after it would give. See Note
+    [The budget search], rule 4.
+    """
+    for index, outcome in enumerate(outcomes):
+        if outcome.fits:
+            return index if outcome.seconds < best_seconds else None
+    return None
+
+
+def improves(outcome: Outcome, best_seconds: float) -> bool:
+    """Whether a try replaces the best step so far: it fits and is faster.
+
+    See Note [The budget search], rule 5, and Note [Steps the search spares], rule 2.
+    """
+    return outcome.fits and outcome.seconds < best_seconds
+
+
+def cannot_fit_kept(forward_end_bytes: int, output_bytes: int, budget_bytes: int) -> bool:
+    """Whether keeping a kind whose outputs hold ``output_bytes`` surely exceeds the budget.
+
+    ``forward_end_bytes`` is the device memory at the end of the best step's forward (before it,
+    plus what forward leaves for backward). See Note [Steps the search spares], rule 1.
+    """
+    return forward_end_bytes + output_bytes > budget_bytes
+
+
+def surely_fits_kept(
+    peak_bytes: int, output_bytes: Sequence[int], calls: Sequence[int], budget_bytes: int
+) -> bool:
+    """Whether keeping every kind at once, on top of a step that peaks at ``peak_bytes``, surely
+    fits the budget.
+
+    Kind ``i``'s outputs hold ``output_bytes[i]`` over ``calls[i]`` calls, each of whose outputs
+    the allocator may round up. See Note [Steps the search spares], rule 2.
+    """
+    rounding = OUTPUTS_PER_CALL * ALLOCATION_GRANULARITY
+    added = sum(
+        nbytes + count * rounding for nbytes, count in zip(output_bytes, calls, strict=True)
+    )
+    return peak_bytes + added <= budget_bytes
+
+
+def region_counts(
+    regions: int, room_bytes: int, calls: int, output_bytes: int, tries_left: int
+) -> list[int]:
+    """How many last regions to try keeping a kind in, in order, at most ``tries_left`` counts.
+
+    As many as the room left suggests (``room_bytes``, the budget less the best peak, against
+    the kind's ``output_bytes`` over its ``calls``, one per region or more), but fewer than all
+    ``regions``; then half as many. None below one region. See Note [The budget search], rule 5.
+    """
+    last = min(regions - 1, room_bytes * calls // max(output_bytes, 1))
+    counts = [count for count in dict.fromkeys((last, last // 2)) if count >= 1]
+    return counts[: max(tries_left, 0)]
+
+
+def tries_inputs_on_device(decisions: Iterable[Decision]) -> bool:
+    """Whether a choice is also tried with the checkpoint inputs held on the device: where its
+    policy offloads nothing. See Note [The budget search], rule 6."""
+    return "offload" not in decisions
+
+
+def inputs_on_device_min_offload_bytes(bytes_to_host: int) -> int:
+    """The ``min_offload_bytes`` that holds every checkpoint input on the device, given the
+    bytes the profiled step offloaded: above them all. See Note [The budget search], rule 6."""
+    return bytes_to_host + 1
+
+
+def holds_inputs_on_device(held: Outcome, offloading_seconds: float) -> bool:
+    """Whether the try with the inputs held on the device is taken: it fits and is no slower
+    than the same choice offloading them. See Note [The budget search], rule 6."""
+    return held.fits and held.seconds <= offloading_seconds
+
+
+def policy_pays(seconds_with_policy: float, seconds_without_policy: float) -> bool:
+    """Whether a policy pays for its host cost: the best step with it, that cost counted, is
+    faster than the best step without one (a tie goes to no policy). See Note [The budget
+    search], rule 7."""
+    return seconds_with_policy < seconds_without_policy
