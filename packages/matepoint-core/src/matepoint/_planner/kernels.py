@@ -1,18 +1,21 @@
 """What the planner runs instead of two meta paths that allocate unlike their CUDA kernels.
 
 Note [CUDA kernel stand-ins]
-    On the meta device ``F.scaled_dot_product_attention`` takes the math path, which materialises
-    and saves the ``seq x seq`` attention matrix, and ``F.rms_norm`` saves a float32 copy of its
-    input. On CUDA both run fused kernels (flash or memory-efficient attention; the fused RMS
-    norm from torch 2.9) that save only their inputs, outputs and a few statistics. A planner
-    that ran the meta paths would overstate a transformer's activations several times over, so
-    while planning (:class:`CudaKernels`) these two calls are replaced by autograd functions that
-    allocate and save exactly what the CUDA kernels allocate and save, and count their FLOPs.
-    The attention stand-in's forward is one operator of its own (``matepoint_plan::
-    scaled_dot_product_attention``) rather than bare allocations, so that a selective-checkpoint
-    policy sees it as attention, as it sees CUDA's fused kernels (a budget plan may keep or
-    offload its outputs), and its FLOPs are counted only when it runs, not when a policy serves
-    it cached.
+    Rule 1. While planning (:class:`CudaKernels`), ``F.scaled_dot_product_attention`` and, from
+        torch 2.9, ``F.rms_norm`` on meta tensors are replaced by autograd functions that
+        allocate and save exactly what the CUDA kernels allocate and save (flash or
+        memory-efficient attention: its inputs, output and log-sum-exp; the fused RMS norm: its
+        input and a few statistics), and count their FLOPs. On the meta device the attention
+        takes the math path, which materialises and saves the ``seq x seq`` attention matrix,
+        and the RMS norm saves a float32 copy of its input: a planner that ran those paths would
+        overstate a transformer's activations several times over.
+    Rule 2. The attention stand-in's forward is one operator of its own
+        (``matepoint_plan::scaled_dot_product_attention``) rather than bare allocations, so that
+        a selective-checkpoint policy sees it as attention, as it sees CUDA's fused kernels (a
+        budget plan may keep or offload its outputs), and its FLOPs are counted only when it
+        runs, not when a policy serves it cached.
+    Rule 3. A call the stand-ins do not cover (other devices, other shapes, a mask that needs
+        gradients) runs unchanged.
 """
 
 from __future__ import annotations
@@ -113,8 +116,7 @@ class _RMSNorm(torch.autograd.Function):
 class CudaKernels(TorchFunctionMode):
     """Route attention and RMS norm on meta tensors to stand-ins that mirror CUDA's kernels.
 
-    See Note [CUDA kernel stand-ins]. Anything they do not cover (other devices, other shapes,
-    a mask that needs gradients) runs the call unchanged.
+    See Note [CUDA kernel stand-ins]; a call they do not cover runs unchanged (rule 3).
 
     Args:
         tracker: The step's tracker, which the stand-ins give their FLOPs to.

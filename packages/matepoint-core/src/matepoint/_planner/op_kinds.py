@@ -6,15 +6,18 @@ gives it the two things it ranks the kinds by: the bytes an op's outputs hold, a
 recomputing them takes (torch's flop counter, no GPU needed), summed per kind over a step.
 
 Note [Op kinds]
-    Ops are grouped by what a selective-checkpoint policy can see of them before they run (the
-    function and its inputs), so the same key names them when profiled and when the policy
-    decides: ``"attention"`` (every scaled-dot-product attention kernel), ``"matmul KxN"``
-    (matrix products by their inner and output width, so a block's projections are told apart:
-    a transformer has a few such shapes, each repeated in every block) and ``"other"``
-    (elementwise work, norms, views: cheap to recompute per byte, so never worth keeping).
-    A kind that runs more than once in a region (a SwiGLU's gate and up projections share a
-    shape) is split by its order there into classes ``"matmul KxN #1"``, ``"#2"``, ... which a
-    plan decides one by one: a policy counts the ops of each kind it has seen in its region.
+    Rule 1. Ops are grouped by what a selective-checkpoint policy can see of them before they
+        run (the function and its inputs), so the same key names them when profiled and when
+        the policy decides.
+    Rule 2. The kinds are ``"attention"`` (every scaled-dot-product attention kernel),
+        ``"matmul KxN"`` (matrix products by their inner and output width, so a block's
+        projections are told apart: a transformer has a few such shapes, each repeated in every
+        block) and ``"other"`` (elementwise work, norms, views: cheap to recompute per byte, so
+        never ranked nor worth keeping).
+    Rule 3. A kind that runs more than once in a region (a SwiGLU's gate and up projections
+        share a shape) is split by its order there into classes ``"matmul KxN #1"``, ``"#2"``,
+        ... which a plan decides one by one: a policy counts the ops of each kind it has seen in
+        its region, in forward and in the recomputation apart.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def _named_kind(packet: Any) -> str:
 
 
 def op_kind(func: Any, args: tuple[Any, ...]) -> str:
-    """Name the kind of an op call from what a policy sees of it. See Note [Op kinds]."""
+    """Name the kind of an op call from what a policy sees of it (Note [Op kinds], rules 1, 2)."""
     named = _named_kind(func.overloadpacket)
     if named in ("matmul", "bias first"):
         left, right = (args[1], args[2]) if named == "bias first" else (args[0], args[1])
@@ -84,12 +87,12 @@ class KindProfile:
 
     @property
     def flops_per_byte(self) -> float:
-        """Recompute FLOPs saved per byte kept: the ranking of Note [The budget search]."""
+        """Recompute FLOPs saved per byte kept: the ranking of Note [The budget search], rule 1."""
         return self.flops / max(self.output_bytes, 1)
 
 
 def occurrence_class(kind: str, occurrence: int) -> str:
-    """The class of the ``occurrence``-th op of ``kind`` in a region (Note [Op kinds])."""
+    """The class of the ``occurrence``-th op of ``kind`` in a region (Note [Op kinds], rule 3)."""
     return f"{kind} #{occurrence}"
 
 
@@ -114,7 +117,7 @@ class RegionProfiler:
         return _RegionMode(self, recompute=False), _RegionMode(self, recompute=True)
 
     def kinds(self) -> list[KindProfile]:
-        """The classes of op seen that hold bytes, best to keep first (Note [Op kinds])."""
+        """The classes of op seen that hold bytes, best to keep first (Note [Op kinds], rule 3)."""
         kinds = [
             KindProfile(
                 occurrence_class(kind, occurrence) if kind in self.repeated else kind, *totals

@@ -47,14 +47,16 @@ def policy_of(
     """Region ``region``'s policy; it counts the ops it sees, so it serves one call.
 
     Note [A plan's regions]
-        A plan's regions are the checkpoint calls of one step, in their order: the ``n``-th call
-        a ``context_fn`` serves is region ``n`` modulo the number of regions the plan saw, so a
-        step, each micro-batch of gradient accumulation and an evaluation forward of the same
-        model all start again at region 0. A class kept in the last ``k`` regions only
-        (``BudgetPlan.kept_in_last``) is kept there and decided as every region decides it
-        elsewhere: the last regions' outputs are the first backward frees, so they cost the
-        least memory at a peak late in backward. A model that checkpoints a different number of
-        regions from step to step needs a plan without ``kept_in_last``.
+        Rule 1. A plan's regions are the checkpoint calls of one step, in their order: the
+            ``n``-th call a ``context_fn`` serves is region ``n`` modulo the number of regions
+            the plan saw, so a step, each micro-batch of gradient accumulation and an
+            evaluation forward of the same model all start again at region 0.
+        Rule 2. A class kept in the last ``k`` regions only (``BudgetPlan.kept_in_last``) is
+            kept there and decided as every region decides it elsewhere: the last regions'
+            outputs are the first backward frees, so they cost the least memory at a peak late
+            in backward.
+        Rule 3. A model that checkpoints a different number of regions from step to step needs
+            a plan without ``kept_in_last``.
     """
     kept = [name for name, last in kept_in_last.items() if region >= regions - last]
     chosen: dict[str, Decision] = {**decisions, **dict.fromkeys(kept, "keep")}

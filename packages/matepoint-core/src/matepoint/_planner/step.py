@@ -6,17 +6,18 @@ saved inputs to the planner's own engine and, for the no-checkpoint strategy, ru
 checkpointed function directly.
 
 Note [Planner fidelity]
-    The planner predicts what matepoint does by running the code that does it: the checkpoint,
-    ``matepoint._engine.saving.pack``'s keep rules and
-    :class:`~matepoint._engine.channel_engine.ChannelEngine` (dedupe, the stash, release of
-    originals, fetches and look-ahead in backward, the exact-size
-    :class:`~matepoint._engine.pool.PinnedPool`), attached through the planning scope. Only the
-    channel differs: :class:`MetaChannel` copies nothing. Its copies have finished when they are
-    queued (a copy back is an empty meta tensor, which the memory tracker counts), its host
-    blocks are meta tensors the tracker does not count, and it names memory by storage, since
-    every meta tensor's ``data_ptr`` is 0. So one assumption differs from a GPU: a copy to the
-    host has finished by the next offload (a released original is freed at once, never held by a
-    copy still running), which holds whenever the link keeps up with compute.
+    Rule 1. The planner predicts what matepoint does by running the code that does it: the
+        checkpoint, ``matepoint._engine.saving.pack``'s keep rules and
+        :class:`~matepoint._engine.channel_engine.ChannelEngine` (dedupe, the stash, release of
+        originals, fetches and look-ahead in backward, the exact-size
+        :class:`~matepoint._engine.pool.PinnedPool`), attached through the planning scope.
+    Rule 2. Only the channel differs: :class:`MetaChannel` copies nothing. Its copies have
+        finished when they are queued (a copy back is an empty meta tensor, which the memory
+        tracker counts), its host blocks are meta tensors the tracker does not count, and it
+        names memory by storage, since every meta tensor's ``data_ptr`` is 0.
+    Rule 3. So one assumption differs from a GPU: a copy to the host has finished by the next
+        offload (a released original is freed at once, never held by a copy still running),
+        which holds whenever the link keeps up with compute.
     ``tests/test_plan_conformance.py`` runs the CPU test transport and the planner on the same
     models and compares every counter.
 """
@@ -174,7 +175,7 @@ Planned = tuple[StrategyPlan, tuple[SavedInput, ...]]
 class MetaChannel:
     """A transport, and its one channel, over meta tensors that moves nothing.
 
-    See Note [Planner fidelity].
+    See Note [Planner fidelity], rules 2 and 3.
     """
 
     def __init__(self, tracker: MemoryTracker) -> None:

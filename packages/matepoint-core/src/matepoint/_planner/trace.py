@@ -7,45 +7,50 @@ bytes a CUDA caching allocator would have handed out at every moment of the step
 autograd, checkpointing and the offload engine keep tensors alive or let them go.
 
 Note [Bytes before the step]
-    Parameters, buffers, inputs and gradients existing before the step are allocated before
-    tracking starts. The tracker learns of them when they are adopted (the function's module
-    and arguments) or first used by an operator, and counts them from the step's start: a
-    timeline sample stores the bytes allocated during the step minus every byte freed so far,
-    and the pre-existing total (known at the end) is added when reporting.
+    Rule 1. Parameters, buffers, inputs and gradients that exist before the step were allocated
+        before tracking started; the tracker learns of them when they are adopted (the
+        function's module and arguments) or first used by an operator, and counts them from the
+        step's start.
+    Rule 2. A timeline sample stores the bytes allocated during the step minus every byte freed
+        so far; the pre-existing total, known only at the end, is added when reporting.
 
 Note [cuBLAS workspaces]
-    torch gives each thread that runs a matrix product its own cuBLAS handle, with a workspace
-    taken from the caching allocator and kept for the life of the process (cuBLASLt shares it).
-    A training step runs products on two threads: forward on the caller's, backward (and the
-    recomputation) on autograd's device thread. Both workspaces exist from the first step on, so
-    the planner counts one per phase that runs a product, as memory that predates the step.
+    Rule 1. torch gives each thread that runs a matrix product its own cuBLAS handle, with a
+        workspace taken from the caching allocator and kept for the life of the process
+        (cuBLASLt shares it).
+    Rule 2. A training step runs products on two threads: forward on the caller's, backward
+        (and the recomputation) on autograd's device thread. Both workspaces exist from the
+        first step on, so the planner counts one per phase that runs a product, as memory that
+        predates the step.
 
 Note [Meta results reused]
     A plan runs the same step once per strategy, and a budget search once per try: the same ops
-    on tensors of the same shapes. For many ops torch computes a meta result in Python (its
-    reference decompositions), most of a planned step's time. An op that writes none of its
-    arguments and returns only fresh tensors (no alias in its schema) has results whose dtypes,
-    shapes and strides follow from its arguments' dtypes, shapes and strides and its other
-    arguments (their types included: ``full(size, True)`` is a bool tensor, ``full(size, 1)``
-    an integer one) and the default dtype. The tracker computes such an op's results once per
-    argument signature, with their FLOPs, and later makes fresh meta tensors of the same layout
-    instead (a result whose storage is not exactly the one its layout makes, as one at an
-    offset is not, is never reused).
-    Anything else runs as it is.
+    on tensors of the same shapes, whose meta results torch often computes in Python (its
+    reference decompositions; docs/planner.md, "Speed", says what that costs).
+    Rule 1. An op that writes none of its arguments and returns only fresh tensors (no alias in
+        its schema) has results whose dtypes, shapes and strides follow from its arguments'
+        dtypes, shapes and strides, its other arguments (their types included:
+        ``full(size, True)`` is a bool tensor, ``full(size, 1)`` an integer one) and the
+        default dtype.
+    Rule 2. The tracker computes such an op's results once per argument signature, with their
+        FLOPs, and later makes fresh meta tensors of the same layout instead.
+    Rule 3. A result that is an argument's storage, or whose storage is not exactly the one its
+        layout makes (as one at an offset is not), is never reused. Anything else runs as it
+        is.
 
 Note [Bookkeeping without torch function modes]
     Backward runs with ``CudaKernels`` (``matepoint._planner.kernels``) in force
     (``compat.run_backward``: the recomputation must meet it), and a torch function mode sees
-    every tensor method and property called while it is in force, in Python, at ten times the
-    call's own cost. The tracker reads a dozen of
-    them per op (storages, shapes, strides, dtypes), which made that mode's handler a third of
-    a planned step's time. So the tracker does its bookkeeping with torch function modes off;
-    only the op itself runs with them in force, as it would without a tracker. Nothing the
-    bookkeeping reads or makes depends on a mode: ``CudaKernels`` passes every such call
-    through, and the meta tensors it makes name their device and dtype.
-    Recent torch also wraps every dispatch mode's handler in a guard that keeps Dynamo from
-    compiling it, some 5 us an op, a tenth of a planned step; nothing compiles the planner's
-    meta step, so the tracker declines the guard (``compat.UnguardedDispatchMode``).
+    every tensor method and property called while it is in force, in Python; the tracker reads
+    a dozen of them per op (storages, shapes, strides, dtypes).
+    Rule 1. The tracker does its bookkeeping with torch function modes off; only the op itself
+        runs with them in force, as it would without a tracker.
+    Rule 2. Nothing the bookkeeping reads or makes depends on a mode: ``CudaKernels`` passes
+        every such call through, and the meta tensors it makes name their device and dtype.
+    Rule 3. Recent torch wraps every dispatch mode's handler in a guard that keeps Dynamo from
+        compiling it; nothing compiles the planner's meta step, so the tracker declines the
+        guard (``compat.UnguardedDispatchMode``).
+    docs/planner.md, "Speed", gives what each of these cost a planned step.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ CUBLAS_WORKSPACE_BYTES = 32 << 20
 _MATRIX_PRODUCTS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addbmm"})
 PHASES = ("forward", "backward", "after")
 # One timeline sample: (FLOPs so far, device bytes, host bytes, host bytes in use, phase index).
-# Device bytes are relative; see Note [Bytes before the step].
+# Device bytes are relative; see Note [Bytes before the step], rule 2.
 Sample = tuple[int, int, int, int, int]
 
 
@@ -82,9 +87,9 @@ def round_up(value: int, multiple: int) -> int:
 def tensors_in(value: Any) -> list[Tensor]:
     """The tensors in an operator's arguments or results (tuples, lists, dicts), in order.
 
-    A hand-written walk into one list: the planner calls it twice per op, where a pytree
-    flatten, which builds a spec it does not need, costs a fifth of a planned step, and
-    nested generators, a frame per level, cost half again as much as this.
+    A hand-written walk into one list: the planner calls it twice per op, and a pytree flatten
+    builds a spec it does not need, nested generators a frame per level (docs/planner.md,
+    "Speed").
     """
     if isinstance(value, Tensor):
         return [value]
@@ -105,9 +110,9 @@ def _collect_tensors(value: Any, found: list[Tensor]) -> None:
             _collect_tensors(item, found)
 
 
-# See Note [Meta results reused]: per op and argument signature, a template of each result (a
-# meta tensor of its layout, never handed out) and the op's FLOPs. Bounded: cleared when it
-# holds _REUSE_LIMIT signatures.
+# See Note [Meta results reused], rule 2: per op and argument signature, a template of each
+# result (a meta tensor of its layout, never handed out) and the op's FLOPs. Bounded: cleared
+# when it holds _REUSE_LIMIT signatures.
 _meta_results: dict[tuple[Any, ...], tuple[tuple[Tensor, ...], int]] = {}
 _REUSE_LIMIT = 1 << 16
 _PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
@@ -122,7 +127,7 @@ def _meta_like(tensor: Tensor) -> Tensor:
 def _reusable(func: Any) -> bool:
     """Whether an op writes no argument and returns only fresh tensors.
 
-    See Note [Meta results reused].
+    See Note [Meta results reused], rule 1.
     """
     schema = func._schema
     return (
@@ -166,8 +171,8 @@ def _reuse_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
 def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
     """Run an op, or remake its results, and return them with its FLOPs.
 
-    See Note [Meta results reused]. Only the op runs with torch function modes in force: see
-    Note [Bookkeeping without torch function modes].
+    See Note [Meta results reused], rules 2 and 3. Only the op runs with torch function modes in
+    force: see Note [Bookkeeping without torch function modes], rule 1.
     """
     with compat.no_torch_function_modes():
         key = _reuse_key(func, args, kwargs)
@@ -186,8 +191,9 @@ def _run_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
         ):
             inputs = {tensor.untyped_storage()._cdata for tensor in tensors_in((args, kwargs))}
             templates = tuple(_meta_like(result) for result in produced)
-            # A result that is an argument's storage after all (a kernel that breaks its
-            # schema), or whose storage is not the one its layout makes, is never reused.
+            # Note [Meta results reused], rule 3: a result that is an argument's storage after
+            # all (a kernel that breaks its schema), or whose storage is not the one its layout
+            # makes, is never reused.
             if all(
                 result.untyped_storage()._cdata not in inputs
                 and result.untyped_storage().nbytes() == template.untyped_storage().nbytes()
@@ -220,7 +226,7 @@ class MemoryTracker(compat.UnguardedDispatchMode):
         self.flops = 0
         self.phase = 0
         self.product_phases: set[int] = set()
-        self.device_bytes = 0  # See Note [Bytes before the step].
+        self.device_bytes = 0  # See Note [Bytes before the step], rule 2.
         self.preexisting_bytes = 0
         self.parameter_bytes = 0
         self.samples: list[Sample] = [(0, 0, 0, 0, 0)]
@@ -236,11 +242,12 @@ class MemoryTracker(compat.UnguardedDispatchMode):
         if self.paused:
             return func(*args, **kwargs)
         out, flops = _run_meta(func, args, kwargs)
-        with compat.no_torch_function_modes():  # Note [Bookkeeping without torch function modes]
+        # See Note [Bookkeeping without torch function modes], rule 1.
+        with compat.no_torch_function_modes():
             self.watch((args, kwargs), preexisting=True)
             self.flops += flops
             if func.overloadpacket.__name__ in _MATRIX_PRODUCTS:
-                self.product_phases.add(self.phase)  # See Note [cuBLAS workspaces].
+                self.product_phases.add(self.phase)  # Note [cuBLAS workspaces], rule 2.
             self.watch(out, preexisting=False)
         return out
 
@@ -257,7 +264,7 @@ class MemoryTracker(compat.UnguardedDispatchMode):
         """Count the tensors in ``values`` not yet counted: made before the step or during it.
 
         Tensors made before the step (parameters, inputs, gradients) are adopted: see Note
-        [Bytes before the step].
+        [Bytes before the step], rule 1.
         """
         for tensor in tensors_in(values):
             if not tensor.is_meta or tensor.layout != torch.strided:
