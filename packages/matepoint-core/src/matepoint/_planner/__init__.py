@@ -5,8 +5,11 @@
   nothing (Note [Planning scope] in ``matepoint._engine.planning_scope``).
 - ``op_kinds``: what each checkpointed region computes, by kind of op.
 - ``time_model``: the device's rates, the step-time estimate and calibration.
+- ``optimizer_states``: the device bytes an optimizer's states take.
 - ``policy``: a budget plan's selective-checkpoint policy, per region.
-- ``decision``, ``search`` and ``budget_plan``: the budget search's rule, its loop, and its
-  answer.
+- ``decision``, ``search`` and ``budget_plan``: the budget search's rule over plain numbers,
+  the loop that plans the steps it compares, and its answer.
 - ``recommend`` and ``memory_plan``: the options search and ``matepoint.plan``.
+
+The planner imports the engine and the settings, never the front door's checkpoint.
 """
