@@ -439,7 +439,7 @@ def test_a_budget_plan_runs_under_a_whole_model_compile_with_the_compiled_path()
     try:
         with (
             use_transport(CPUTestTransport(completion="immediate")),
-            matepoint.options(compiled_offload=True, **budget.settings_changes()),
+            matepoint.options(**{**budget.settings_changes(), "compiled_offload": True}),
         ):
             torch.compile(planned, backend="aot_eager", fullgraph=True)(x).sum().backward()
     finally:

@@ -155,14 +155,33 @@ def test_a_kind_with_no_output_bytes_is_tried_in_every_region_but_one() -> None:
 
 
 def test_inputs_are_tried_on_the_device_only_where_the_policy_offloads_nothing() -> None:
-    assert decision.tries_inputs_on_device([])
-    assert decision.tries_inputs_on_device(["keep", "recompute"])
-    assert not decision.tries_inputs_on_device(["keep", "offload"])
+    holding = 96 * MIB + 1
+    assert decision.tries_inputs_on_device([], MIB, holding)
+    assert decision.tries_inputs_on_device(["keep", "recompute"], MIB, holding)
+    assert not decision.tries_inputs_on_device(["keep", "offload"], MIB, holding)
+
+
+def test_inputs_are_not_tried_on_the_device_where_none_moves_or_all_are_held() -> None:
+    """Defect 7: a step that moves no input never has offloading switched on."""
+    assert not decision.tries_inputs_on_device([], 1 << 40, None)
+    assert not decision.tries_inputs_on_device([], 0, None)
+    assert not decision.tries_inputs_on_device([], 96 * MIB + 1, 96 * MIB + 1)
 
 
 def test_inputs_held_on_the_device_take_a_threshold_above_every_offloaded_byte() -> None:
     assert decision.inputs_on_device_min_offload_bytes(96 * MIB) == 96 * MIB + 1
-    assert decision.inputs_on_device_min_offload_bytes(0) == 1
+    assert decision.inputs_on_device_min_offload_bytes(0) is None
+
+
+def test_a_step_whose_pool_would_raise_or_whose_pins_exceed_the_host_fits_nothing() -> None:
+    """Defects 4 and 8/9: the host side is judged apart from the device budget."""
+    assert decision.fits(10, 4, 2, 10, 8)
+    assert not decision.fits(10, 4, 2, 10, 8, pool_would_raise=True)
+    assert not decision.fits(10, 5, 2, 10, 8)
+    assert decision.fits_host(0, 4, 0, False)
+    assert not decision.fits_host(1, 1, 0, False)
+    assert not decision.fits_host(0, 1, None, True)
+    assert decision.fits_host(1 << 40, 8, None, False)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
 
+from matepoint._options import OffloadSettings
 from matepoint._planner.op_kinds import KindProfile
 from matepoint._planner.policy import Decision, context_fn_of, policy_of
 from matepoint._planner.step import StrategyPlan
@@ -45,10 +46,9 @@ class BudgetPlan:
         kept_in_last: Classes kept in the last regions only, with how many (Note [A plan's
             regions]); elsewhere they do what ``decisions`` says.
         regions: The checkpoint calls of the planned step.
-        prefetch: The look-ahead chosen (``OffloadSettings.prefetch``).
-        min_offload_bytes: The smallest checkpoint input offloaded
-            (``OffloadSettings.min_offload_bytes``): above every input when the budget holds
-            them all on the device, as torch's checkpoint does, and nothing needs the link.
+        settings: Every offload setting the step was planned under, the look-ahead
+            (``prefetch``) and ``min_offload_bytes`` the search chose among them; applying all
+            of them (:meth:`settings_changes`) reproduces the planned step.
         peak_bytes: The chosen step's planned peak device memory.
         pinned_bytes_per_node: Pinned host RAM of one rank's pool times ``ranks_per_node``
             (the pool's exact-size blocks, so no rounding beyond what the pool holds).
@@ -69,8 +69,7 @@ class BudgetPlan:
     decisions: tuple[tuple[str, Decision], ...]
     kept_in_last: tuple[tuple[str, int], ...]
     regions: int
-    prefetch: int
-    min_offload_bytes: int
+    settings: OffloadSettings
     peak_bytes: int
     pinned_bytes_per_node: int
     step_seconds: float
@@ -102,9 +101,24 @@ class BudgetPlan:
         context_fn = context_fn_of(dict(self.decisions), dict(self.kept_in_last), self.regions)
         return torch_checkpoint.noop_context_fn if context_fn is None else context_fn
 
+    @property
+    def prefetch(self) -> int:
+        """The look-ahead chosen (``OffloadSettings.prefetch``)."""
+        return self.settings.prefetch
+
+    @property
+    def min_offload_bytes(self) -> int:
+        """The smallest checkpoint input offloaded (``OffloadSettings.min_offload_bytes``):
+        above every input when the budget holds them all on the device, as torch's checkpoint
+        does, and nothing needs the link."""
+        return self.settings.min_offload_bytes
+
     def settings_changes(self) -> dict[str, Any]:
-        """The settings to pass to :func:`matepoint.configure` with it."""
-        return {"prefetch": self.prefetch, "min_offload_bytes": self.min_offload_bytes}
+        """Every setting the plan was planned under, to pass to :func:`matepoint.configure`
+        (or :func:`matepoint.options`) with it: the step runs as planned under them alone,
+        whatever was in force when it was planned. A call's own ``offload=`` still wins for
+        the fields it sets, as it did in the planned step."""
+        return dataclasses.asdict(self.settings)
 
     def __str__(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit"

@@ -20,6 +20,7 @@ __all__ = [
     "Outcome",
     "cannot_fit_kept",
     "fits",
+    "fits_host",
     "holds_inputs_on_device",
     "improves",
     "inputs_on_device_min_offload_bytes",
@@ -59,11 +60,25 @@ def fits(
     ranks_per_node: int,
     budget_bytes: int,
     host_budget_bytes: int | None,
+    pool_would_raise: bool = False,
 ) -> bool:
-    """Whether a step fits: its peak within the device budget, and the pinned host RAM of the
-    node's ranks (each pins ``pinned_bytes``) within the host budget, if there is one."""
+    """Whether a step fits: its peak within the device budget, and its host side too
+    (:func:`fits_host`). See Note [The budget search], rule 8."""
+    host_fits = fits_host(pinned_bytes, ranks_per_node, host_budget_bytes, pool_would_raise)
+    return peak_bytes <= budget_bytes and host_fits
+
+
+def fits_host(
+    pinned_bytes: int, ranks_per_node: int, host_budget_bytes: int | None, pool_would_raise: bool
+) -> bool:
+    """Whether a step's host side fits, whatever the device budget: the pinned host RAM of the
+    node's ranks (each pins ``pinned_bytes``) within the host budget, if there is one, and a
+    pool that would not raise (``on_pool_exhausted="raise"`` past its cap). A step whose host
+    side does not fit fits no device budget: it never sets the smallest budget that would fit.
+    See Note [The budget search], rule 8."""
     host = pinned_bytes * ranks_per_node
-    return peak_bytes <= budget_bytes and (host_budget_bytes is None or host <= host_budget_bytes)
+    within = host_budget_bytes is None or host <= host_budget_bytes
+    return within and not pool_would_raise
 
 
 def kinds_to_try(recomputed: Sequence[int]) -> list[int]:
@@ -157,16 +172,23 @@ def region_counts(
     return counts[: max(tries_left, 0)]
 
 
-def tries_inputs_on_device(decisions: Iterable[Decision]) -> bool:
+def tries_inputs_on_device(
+    decisions: Iterable[Decision], min_offload_bytes: int, holding_min_offload_bytes: int | None
+) -> bool:
     """Whether a choice is also tried with the checkpoint inputs held on the device: where its
-    policy offloads nothing. See Note [The budget search], rule 6."""
+    policy offloads nothing, some input moves (``holding_min_offload_bytes``, from
+    :func:`inputs_on_device_min_offload_bytes`, is not None) and the choice's own
+    ``min_offload_bytes`` does not hold them already. See Note [The budget search], rule 6."""
+    if holding_min_offload_bytes is None or min_offload_bytes >= holding_min_offload_bytes:
+        return False
     return "offload" not in decisions
 
 
-def inputs_on_device_min_offload_bytes(bytes_to_host: int) -> int:
+def inputs_on_device_min_offload_bytes(bytes_to_host: int) -> int | None:
     """The ``min_offload_bytes`` that holds every checkpoint input on the device, given the
-    bytes the profiled step offloaded: above them all. See Note [The budget search], rule 6."""
-    return bytes_to_host + 1
+    bytes the profiled step offloaded: above them all; None where it offloaded nothing, which
+    no ``min_offload_bytes`` needs to hold. See Note [The budget search], rule 6."""
+    return bytes_to_host + 1 if bytes_to_host > 0 else None
 
 
 def holds_inputs_on_device(held: Outcome, offloading_seconds: float) -> bool:

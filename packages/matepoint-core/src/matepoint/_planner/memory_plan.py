@@ -15,6 +15,7 @@ import math
 import numbers
 import operator
 import textwrap
+import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from matepoint._options import OffloadOptions, OffloadSettings, get_options, resolve
+from matepoint._options import options as settings_in_force
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.recommend import Recommendation, recommend
 from matepoint._planner.search import fastest_under
@@ -37,6 +39,35 @@ _GIB = float(1 << 30)
 
 def _gib(value: int) -> str:
     return f"{value / _GIB:.2f} GiB"
+
+
+# Note [Settings a search plans under]
+#     Rule 1. A plan made with each call's own options (``plan()`` without ``options=``) is
+#         re-planned by ``fastest_under`` and ``recommend`` with their candidate settings as the
+#         settings in force, as ``configure(**budget.settings_changes())`` makes them when the
+#         plan is applied: a call's own ``offload=`` still wins for the fields it sets, in the
+#         planned step as in the real one.
+#     Rule 2. A plan made with ``options=`` re-plans with the candidate settings for every call
+#         instead of its own, as that plan did.
+#     Rule 3. The settings in force are process-wide (Note [Settings layers] in
+#         ``matepoint._options``): rule 1's planned steps take one lock, so searches in several
+#         threads never see each other's settings; a thread that offloads while a search plans
+#         sees the search's settings for that moment.
+#     Example: every call passes ``offload=OffloadOptions(min_offload_bytes=1 << 40)``: whatever
+#     ``min_offload_bytes`` the search tries, its planned steps move no checkpoint input, as the
+#     real steps will not.
+_SETTINGS_IN_FORCE = threading.Lock()
+
+
+def _planned_in_force(
+    replan: Callable[..., Planned],
+    settings: OffloadSettings,
+    context_fn: Callable[[], Any] | None = None,
+) -> Planned:
+    """Plan the step with ``settings`` in force and each call's own options over them (Note
+    [Settings a search plans under], rules 1 and 3)."""
+    with _SETTINGS_IN_FORCE, settings_in_force(**dataclasses.asdict(settings)):
+        return replan(None, context_fn=context_fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +98,14 @@ class MemoryPlan:
         """The options of the matepoint strategy, or the process defaults it used."""
         return self.options if self.options is not None else get_options()
 
+    @property
+    def _search_replan(self) -> Callable[..., Planned]:
+        """Plans the step with candidate settings as applying them will run it (Note [Settings a
+        search plans under])."""
+        if self.options is not None:
+            return self.replan
+        return partial(_planned_in_force, self.replan)
+
     def recommend(self, budget_bytes: int) -> Recommendation:
         """Propose offload options that fit ``budget_bytes`` of device memory with least traffic.
 
@@ -79,7 +118,7 @@ class MemoryPlan:
         Returns:
             The proposal, or what would fit if nothing does.
         """
-        return recommend(self.effective_options, self.replan, budget_bytes)
+        return recommend(self.effective_options, self._search_replan, budget_bytes)
 
     def fastest_under(
         self,
@@ -131,7 +170,7 @@ class MemoryPlan:
         link = self.link_bandwidth
         default = DeviceModel(self.peak_flops, to_host_bandwidth=link, to_device_bandwidth=link)
         return fastest_under(
-            self.replan,
+            self._search_replan,
             self.effective_options,
             budget,
             host_budget,

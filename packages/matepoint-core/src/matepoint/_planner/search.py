@@ -25,7 +25,10 @@ Note [The budget search]
         recomputation (``DeviceModel.policy_seconds_per_op``), the same whatever it keeps: tries
         are compared without it, and rule 7 charges it once at the end.
     Rule 3. Where the starting step (matepoint on every region) does not fit with its
-        look-ahead, it is planned again without (``prefetch`` 0), which is taken if it fits.
+        look-ahead, it is planned again without (``prefetch`` 0), which is taken if it fits;
+        where that does not fit either, with the checkpoint inputs held on the device (rule 6),
+        which needs no host RAM: a host budget below the every-block pool still leaves keeps
+        to try.
     Rule 4. Each kind is tried kept, then offloaded with the look-ahead in force, then offloaded
         with one record fetched ahead (``prefetch`` 1). The first try that fits decides: it is
         taken if the step gets faster (the link's time beyond the compute it overlaps counts
@@ -42,9 +45,16 @@ Note [The budget search]
         on the device (``min_offload_bytes`` above them all, so torch's checkpoint where nothing
         is kept) is taken if it fits and is no slower: the link's copies cost the host time to
         issue and compete with compute on a small or launch-bound model, which the time model
-        does not see, and the budget has no use for the memory they free.
+        does not see, and the budget has no use for the memory they free. Where the profiled
+        step moves no input, or the choice holds them already, there is nothing to try: the
+        try never lowers ``min_offload_bytes``.
     Rule 7. A policy is kept only if the best step with it, its host cost counted (rule 2), is
         faster than the best step without one: on a small, launch-bound model it may not be.
+    Rule 8. A step fits where its peak fits the device budget and its host side fits too: its
+        pinned pool, times the node's ranks, within the host budget, and no pool that would
+        raise (``on_pool_exhausted="raise"`` past ``pool_cap_bytes``). The smallest budget
+        that would fit is the least peak among the tries whose host side fits, so that
+        planning again at it, with the same host budget, fits.
     A step is planned per try: one profile, then at most a few per kind.
 
 Note [Steps the search spares]
@@ -127,13 +137,20 @@ class _Budget:
     ranks_per_node: int
 
     def fits(self, plan: StrategyPlan) -> bool:
-        """Whether ``plan`` fits both budgets."""
+        """Whether ``plan`` fits both budgets, its pool never raising."""
         return decision.fits(
             plan.peak_bytes,
             plan.pinned_bytes,
             self.ranks_per_node,
             self.device_bytes,
             self.host_bytes,
+            plan.pool_would_raise,
+        )
+
+    def fits_host(self, plan: StrategyPlan) -> bool:
+        """Whether ``plan``'s host side fits, whatever the device budget."""
+        return decision.fits_host(
+            plan.pinned_bytes, self.ranks_per_node, self.host_bytes, plan.pool_would_raise
         )
 
 
@@ -162,7 +179,8 @@ class _Search:
             again in the recomputation (Note [The budget search], rule 2).
         kinds: The profiled kinds of op, best to keep first (Note [Op kinds]).
         every_block: The profiled step: matepoint on every region, nothing kept.
-        smallest: The least peak among the steps planned so far, the profile's included.
+        smallest: The least peak among the steps planned so far whose host side fits, the
+            profile's included (Note [The budget search], rule 8); None before there is one.
     """
 
     replan: Callable[..., Planned]
@@ -172,7 +190,7 @@ class _Search:
     policy_ops: int
     kinds: tuple[KindProfile, ...]
     every_block: _Trial
-    smallest: int
+    smallest: int | None
 
     def attempt(
         self,
@@ -184,9 +202,22 @@ class _Search:
         """Plan one candidate; its time leaves out the policy's host cost unless asked."""
         context_fn = context_fn_of(decisions, kept_in_last, self.regions)
         planned = self.replan(settings, context_fn=context_fn)[0]
-        self.smallest = min(self.smallest, planned.peak_bytes)
+        self.note_peak(planned)
         ops = self.policy_ops if policy_cost and context_fn else 0
         return _timed(planned, settings, self.device, self.budget, ops)
+
+    def note_peak(self, planned: StrategyPlan) -> None:
+        """Count ``planned``'s peak in the smallest, where its host side fits (Note [The budget
+        search], rule 8)."""
+        if self.budget.fits_host(planned):
+            peak = planned.peak_bytes
+            self.smallest = peak if self.smallest is None else min(self.smallest, peak)
+
+    @property
+    def holding_min_offload_bytes(self) -> int | None:
+        """The ``min_offload_bytes`` that holds every checkpoint input on the device, or None
+        where the profiled step moves none (Note [The budget search], rule 6)."""
+        return decision.inputs_on_device_min_offload_bytes(self.every_block.plan.bytes_to_host)
 
 
 @dataclasses.dataclass
@@ -254,7 +285,7 @@ def _profiled(
     """Plan the step once with every region profiled (Note [Op kinds]), and start a search."""
     profiler = RegionProfiler()
     profiled = replan(settings, context_fn=profiler)[0]
-    return _Search(
+    search = _Search(
         replan=replan,
         device=device,
         budget=budget,
@@ -263,19 +294,30 @@ def _profiled(
         policy_ops=2 * profiler.ops,
         kinds=tuple(profiler.kinds()),
         every_block=_timed(profiled, settings, device, budget),
-        smallest=profiled.peak_bytes,
+        smallest=None,
     )
+    search.note_peak(profiled)
+    return search
 
 
 def _start(search: _Search) -> _Trial:
-    """The best step without a policy: the profiled one, or without look-ahead where only
-    that fits (Note [The budget search], rule 3)."""
+    """The best step without a policy: the profiled one, or without look-ahead, or with the
+    checkpoint inputs held on the device, the first of them that fits (Note [The budget
+    search], rule 3)."""
     every_block = search.every_block
     settings = every_block.settings
-    if not decision.starts_without_look_ahead(every_block.fits, settings.prefetch):
+    if every_block.fits:
         return every_block
-    fewer = search.attempt({}, {}, dataclasses.replace(settings, prefetch=0))
-    return fewer if fewer.fits else every_block
+    if decision.starts_without_look_ahead(every_block.fits, settings.prefetch):
+        fewer = search.attempt({}, {}, dataclasses.replace(settings, prefetch=0))
+        if fewer.fits:
+            return fewer
+    holding = search.holding_min_offload_bytes
+    if not decision.tries_inputs_on_device((), settings.min_offload_bytes, holding):
+        return every_block
+    assert holding is not None
+    held = search.attempt({}, {}, dataclasses.replace(settings, min_offload_bytes=holding))
+    return held if held.fits else every_block
 
 
 def _decide_kinds(search: _Search, best: _Choice) -> list[KindProfile]:
@@ -379,15 +421,16 @@ def _conclude(
     return _budget_plan(search, _Choice(plain), smallest)
 
 
-def _budget_plan(search: _Search, chosen: _Choice, smallest: int) -> BudgetPlan:
+def _budget_plan(search: _Search, chosen: _Choice, smallest: int | None) -> BudgetPlan:
     """The plan of ``chosen``, its inputs held on the device where that fits and is no slower
     (Note [The budget search], rule 6); ``smallest`` is the least peak the search planned."""
     trial = chosen.trial
-    if decision.tries_inputs_on_device(chosen.decisions.values()):
-        min_offload_bytes = decision.inputs_on_device_min_offload_bytes(
-            search.every_block.plan.bytes_to_host
-        )
-        on_device = dataclasses.replace(trial.settings, min_offload_bytes=min_offload_bytes)
+    holding = search.holding_min_offload_bytes
+    if decision.tries_inputs_on_device(
+        chosen.decisions.values(), trial.settings.min_offload_bytes, holding
+    ):
+        assert holding is not None
+        on_device = dataclasses.replace(trial.settings, min_offload_bytes=holding)
         held = search.attempt(chosen.decisions, chosen.kept_in_last, on_device, policy_cost=True)
         if decision.holds_inputs_on_device(held.outcome, trial.seconds):
             trial = held
@@ -400,13 +443,12 @@ def _budget_plan(search: _Search, chosen: _Choice, smallest: int) -> BudgetPlan:
         decisions=tuple(sorted(chosen.decisions.items())),
         kept_in_last=tuple(sorted(chosen.kept_in_last.items())),
         regions=search.regions,
-        prefetch=trial.settings.prefetch,
-        min_offload_bytes=trial.settings.min_offload_bytes,
+        settings=trial.settings,
         peak_bytes=trial.plan.peak_bytes,
         pinned_bytes_per_node=trial.plan.pinned_bytes * budget.ranks_per_node,
         step_seconds=trial.seconds,
         every_block_seconds=search.every_block.seconds,
-        smallest_budget_bytes=smallest,
+        smallest_budget_bytes=trial.plan.peak_bytes if smallest is None else smallest,
         kinds=search.kinds,
         strategy_plan=trial.plan,
     )
