@@ -20,6 +20,23 @@ Note [Planner fidelity]
         which holds whenever the link keeps up with compute.
     ``tests/test_plan_conformance.py`` runs the CPU test transport and the planner on the same
     models and compares every counter.
+
+Note [Planned steps one at a time]
+    Rule 1. A planned step changes state that other steps read: backward accumulates into the
+        meta model's ``.grad`` and the tracker puts the old ones back when the step ends (Note
+        [Bytes before the step] in ``matepoint._planner.trace``); before torch 2.6
+        ``compat.meta_checkpointing`` installs and removes a process-wide stand-in module; the
+        tracker's cache of meta results is process-wide.
+    Rule 2. So :func:`run_step` holds ``_STEP_LOCK`` for the whole step: steps planned from
+        several threads (``plan``, ``replan``, ``fastest_under`` on one ``MemoryPlan`` or on
+        several over one model) run one after another, each from the state the last one left,
+        and answer as a sequential run does.
+    Rule 3. The step keeps mutating rather than being made not to: gradients accumulated into
+        ``.grad`` are memory the plan must count as a real step holds it, and planning is
+        CPU-bound Python under the GIL, so steps in parallel would gain little. The lock is
+        reentrant: a step that plans another on its own thread does not wait on itself.
+    Example: four threads each calling ``fastest_under`` on one plan get the plan one thread
+    alone gets, and the model's ``.grad`` are as before (``tests/test_planning_threads.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, cast
 
@@ -66,6 +84,9 @@ class TimelinePoint:
 
 
 _device_bytes = operator.attrgetter("device_bytes")
+
+# Held by every planned step. See Note [Planned steps one at a time], rule 2.
+_STEP_LOCK = threading.RLock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +354,7 @@ def run_step(
     planned = PlannedStep(strategy, options, context_fn)
     tracker, engine = planned.tracker, planned.engine
     with (
+        _STEP_LOCK,  # See Note [Planned steps one at a time], rule 2.
         _value_reads_named(),
         planning_scope(planned),
         compat.meta_checkpointing(),
