@@ -15,6 +15,7 @@ from matepoint._errors import InplaceModificationError, MatepointError, PinnedMe
 from matepoint._monitor import prefetch_now, release_pool, report, reset_stats, stats
 from matepoint._options import OffloadOptions, OffloadSettings, configure, get_options, options
 from matepoint._planner.budget_plan import BudgetPlan
+from matepoint._planner.live_model import plan_budget
 from matepoint._planner.memory_plan import (
     MemoryPlan,
     Recommendation,
@@ -54,6 +55,7 @@ __all__ = [
     "get_options",
     "options",
     "plan",
+    "plan_budget",
     "prefetch_now",
     "release_pool",
     "report",

@@ -6,6 +6,11 @@
   ``checkpoint_wrapper`` / ``apply_activation_checkpointing`` (what FSDP, FSDP2, DDP and
   torchtitan-style training loops use) with matepoint as the checkpoint function.
 
+Each takes ``budget=`` (with ``example_batch=`` and ``optimizer=``): it wraps the blocks, plans
+the fastest step within the budget from the live model (:func:`matepoint.plan_budget`) and
+applies the plan, each block with its own region (Note [A plan's regions] in
+``matepoint._planner.policy``); or ``budget_plan=``, a plan made before.
+
 None of these imports ``transformers``: the Hugging Face helper only calls the model's own
 methods, so matepoint's runtime dependencies stay torch and matepoint-compat.
 
@@ -20,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +35,8 @@ from torch import nn
 from matepoint._checkpoint import checkpoint
 from matepoint._options import configure
 from matepoint._planner.budget_plan import BudgetPlan
+from matepoint._planner.live_model import plan_prepared
+from matepoint._planner.time_model import DeviceModel
 from matepoint_compat import torch_apply_activation_checkpointing, torch_checkpoint_wrapper
 
 __all__ = [
@@ -39,8 +47,18 @@ __all__ = [
 ]
 
 
+class _Unset:
+    """``optimizer=`` not given: a budget needs it said, None included (no states to count)."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+
+
 def matepoint_checkpoint_fn(
-    budget_plan: BudgetPlan | None = None, **checkpoint_kwargs: Any
+    budget_plan: BudgetPlan | None = None, *, region: int | None = None, **checkpoint_kwargs: Any
 ) -> functools.partial[Any]:
     """Return ``matepoint.checkpoint`` with its keyword arguments bound, non-reentrant by default.
 
@@ -49,15 +67,23 @@ def matepoint_checkpoint_fn(
     integration below takes ``budget_plan=`` through it.
 
     Args:
-        budget_plan: A plan from :meth:`matepoint.MemoryPlan.fastest_under`: its
-            selective-checkpoint policy becomes every call's ``context_fn``, and its settings
-            are applied with :func:`matepoint.configure`. Default: None.
+        budget_plan: A plan from :func:`matepoint.plan_budget` or
+            :meth:`matepoint.MemoryPlan.fastest_under`: its selective-checkpoint policy becomes
+            the calls' ``context_fn``, and its settings are applied with
+            :func:`matepoint.configure`. Default: None.
+        region: The plan's region this function serves: give each block its own function
+            with its number (block ``i``, the planned step's ``i``-th checkpoint call). None
+            serves every call of one model by counting them, right only while every forward
+            makes all the plan's calls in order (Note [A plan's regions], rule 3).
+            Default: None.
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint` (``pipeline``,
             ``offload``, ``preserve_rng_state``, ``context_fn``, ...). ``use_reentrant``
             defaults to ``False``.
 
     Raises:
-        TypeError: For a ``budget_plan`` together with a ``context_fn`` of the caller's.
+        TypeError: For a ``budget_plan`` together with a ``context_fn`` of the caller's, or a
+            ``region`` without a plan.
+        ValueError: For a region outside the plan's.
 
     Returns:
         A ``functools.partial`` of :func:`matepoint.checkpoint`.
@@ -68,18 +94,76 @@ def matepoint_checkpoint_fn(
         >>> fn(torch.sin, torch.ones(2, requires_grad=True)).shape
         torch.Size([2])
     """
+    if budget_plan is None and region is not None:
+        raise TypeError("region= names a region of a budget_plan; pass the plan too")
     if budget_plan is not None:
         if "context_fn" in checkpoint_kwargs:
             raise TypeError("a budget_plan brings its own context_fn; pass one or the other")
+        context_fn = budget_plan.context_fn(region)
         configure(**budget_plan.settings_changes())
         # A plan that decides nothing leaves the call without a context_fn, so the compiled
         # path keeps its own (Note [The compiled path] in matepoint._compiled).
-        if (context_fn := budget_plan.context_fn()) is not torch_checkpoint.noop_context_fn:
+        if context_fn is not torch_checkpoint.noop_context_fn:
             checkpoint_kwargs["context_fn"] = context_fn
     return functools.partial(checkpoint, **{"use_reentrant": False, **checkpoint_kwargs})
 
 
-def enable_hf_gradient_checkpointing(model: nn.Module, **checkpoint_kwargs: Any) -> None:
+def _planned(
+    model: nn.Module,
+    prepare: Callable[[nn.Module], nn.Module | None],
+    budget: int | float | str,
+    budget_plan: BudgetPlan | None,
+    example_batch: Any,
+    optimizer: Any,
+    loss_fn: Callable[[Any], Any] | None,
+    device: DeviceModel | None,
+) -> BudgetPlan:
+    """The plan of ``model`` with ``prepare`` applied to its meta twin, after the checks."""
+    if budget_plan is not None:
+        raise TypeError(
+            "pass budget= to plan here or budget_plan= for a plan made before, not both"
+        )
+    if example_batch is None:
+        raise TypeError("budget= plans from one example batch: pass example_batch=")
+    if optimizer is _UNSET:
+        raise TypeError(
+            "budget= counts the optimizer's states: pass optimizer= (None where none share "
+            "the device)"
+        )
+    return plan_prepared(
+        model,
+        example_batch,
+        optimizer=optimizer,
+        budget=budget,
+        loss_fn=loss_fn,
+        host_budget_bytes=None,
+        device=device,
+        prepare=prepare,
+    )
+
+
+def _check_blocks(plan: BudgetPlan, blocks: int, what: str) -> None:
+    """Block ``i`` takes region ``i`` (Note [A plan's regions], rule 1): the counts must agree
+    where the plan keeps in the last regions, and the blocks never outnumber the regions."""
+    if blocks > plan.regions or (plan.kept_in_last and blocks != plan.regions):
+        raise ValueError(
+            f"the plan has {plan.regions} regions (its planned step's checkpoint calls) but "
+            f"{blocks} {what}: block i takes region i, so plan this model"
+            + (" (the plan keeps in its last regions)" if plan.kept_in_last else "")
+        )
+
+
+def enable_hf_gradient_checkpointing(
+    model: nn.Module,
+    *,
+    budget: int | float | str | None = None,
+    example_batch: Any = None,
+    optimizer: Any = _UNSET,
+    loss_fn: Callable[[Any], Any] | None = None,
+    device: DeviceModel | None = None,
+    budget_plan: BudgetPlan | None = None,
+    **checkpoint_kwargs: Any,
+) -> BudgetPlan | None:
     """Turn on a ``transformers`` model's gradient checkpointing, run by ``matepoint.checkpoint``.
 
     transformers checkpoints each decoder layer through a ``_gradient_checkpointing_func`` that
@@ -95,15 +179,33 @@ def enable_hf_gradient_checkpointing(model: nn.Module, **checkpoint_kwargs: Any)
     ``activation_checkpointing=True``): the Trainer would enable torch's checkpoint again.
     ``model.gradient_checkpointing_disable()`` turns it off as usual.
 
+    With ``budget=``, it also plans the fastest step within the budget from the live model
+    (:func:`matepoint.plan_budget`, on a meta twin with the same layers checkpointed) and
+    applies it: layer ``i`` (in module order) takes the plan's region ``i``.
+
     Args:
         model: A ``transformers.PreTrainedModel`` (or anything with the same
             ``activation_checkpointing_enable`` / ``gradient_checkpointing_enable`` method).
+        budget: Device memory the step may use, the optimizer's states included: bytes, a
+            string such as ``"40GiB"``, or ``"auto"`` (see :func:`matepoint.plan_budget`).
+            Default: None, no plan.
+        example_batch: With ``budget``: one batch, as :func:`matepoint.plan_budget` takes it
+            (``{"input_ids": ids, "labels": ids}``).
+        optimizer: With ``budget``: the optimizer (None where none shares the device).
+        loss_fn: With ``budget``: turns the output into the loss. Default: its ``loss``.
+        device: With ``budget``: the time model's rates. Default: an H200's.
+        budget_plan: A plan made before, applied layer by layer. Default: None.
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint` (``pipeline``,
             ``offload``, ``preserve_rng_state``, ...). ``use_reentrant`` defaults to ``False``.
 
+    Returns:
+        The plan applied, or None without one.
+
     Raises:
         TypeError: If ``model`` has no gradient checkpointing to enable, or uses the format of
-            transformers before 4.35, whose layers call torch's checkpoint directly.
+            transformers before 4.35, whose layers call torch's checkpoint directly; for
+            ``budget`` without ``example_batch`` or ``optimizer``.
+        ValueError: For a plan with fewer regions than the model has checkpointed layers.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM  # doctest: +SKIP
@@ -111,6 +213,25 @@ def enable_hf_gradient_checkpointing(model: nn.Module, **checkpoint_kwargs: Any)
         >>> enable_hf_gradient_checkpointing(model)  # doctest: +SKIP
         >>> model.train()  # doctest: +SKIP
     """
+    if budget is not None:
+        budget_plan = _planned(
+            model,
+            functools.partial(_enable_hf, checkpoint_kwargs=checkpoint_kwargs),
+            budget,
+            budget_plan,
+            example_batch,
+            optimizer,
+            loss_fn,
+            device,
+        )
+    _enable_hf(model, checkpoint_kwargs, budget_plan)
+    return budget_plan
+
+
+def _enable_hf(
+    model: nn.Module, checkpoint_kwargs: dict[str, Any], budget_plan: BudgetPlan | None = None
+) -> None:
+    """Enable transformers' checkpointing on ``model`` and point its layers at matepoint."""
     function = matepoint_checkpoint_fn(**checkpoint_kwargs)
     # What transformers hands its own (replaced) checkpoint; only use_reentrant matters to it.
     hf_kwargs = {"use_reentrant": function.keywords["use_reentrant"]}
@@ -131,11 +252,33 @@ def enable_hf_gradient_checkpointing(model: nn.Module, **checkpoint_kwargs: Any)
             "_gradient_checkpointing_func (the format of transformers before 4.35): its layers "
             "call torch's checkpoint directly and matepoint cannot be put in its place"
         )
-    for module in layers:
-        module._gradient_checkpointing_func = function  # type: ignore[assignment]
+    functions = [function] * len(layers)
+    if budget_plan is not None and len(layers) == 1:
+        # One function for every layer's call (a model that runs its layers through its
+        # own): no block is known, so it counts (Note [A plan's regions], rule 3).
+        functions = [matepoint_checkpoint_fn(budget_plan, **checkpoint_kwargs)]
+    elif budget_plan is not None:
+        _check_blocks(budget_plan, len(layers), "checkpointed layers")
+        functions = [
+            matepoint_checkpoint_fn(budget_plan, region=index, **checkpoint_kwargs)
+            for index in range(len(layers))
+        ]
+    for module, layer_function in zip(layers, functions, strict=True):
+        module._gradient_checkpointing_func = layer_function  # type: ignore[assignment]
 
 
-def checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
+def checkpoint_wrapper(
+    module: nn.Module,
+    *,
+    budget: int | float | str | None = None,
+    example_batch: Any = None,
+    optimizer: Any = _UNSET,
+    loss_fn: Callable[[Any], Any] | None = None,
+    device: DeviceModel | None = None,
+    budget_plan: BudgetPlan | None = None,
+    region: int | None = None,
+    **checkpoint_kwargs: Any,
+) -> nn.Module:
     """Wrap ``module`` in torch's ``CheckpointWrapper`` with ``matepoint.checkpoint`` inside.
 
     The same as ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper(
@@ -144,23 +287,62 @@ def checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module
     Apply ``fully_shard`` to the wrapper, not to the module inside it, so FSDP's all-gathers run
     outside the checkpoint and are not repeated by the recomputation.
 
+    A model of several blocks is planned as a whole by :func:`apply_matepoint_checkpointing`
+    (``budget=``); here ``budget=`` plans the wrapped module's own step, the module alone as
+    the model, and ``budget_plan=`` applies region ``region`` of a plan made before.
+
     Args:
         module: The module to checkpoint on every call.
+        budget: Device memory the module's step may use (see :func:`matepoint.plan_budget`).
+            Default: None, no plan.
+        example_batch: With ``budget``: the module's input, as :func:`matepoint.plan_budget`
+            takes it.
+        optimizer: With ``budget``: the optimizer (None where none shares the device).
+        loss_fn: With ``budget``: turns the output into the loss. Default: its sum.
+        device: With ``budget``: the time model's rates. Default: an H200's.
+        budget_plan: A plan made before. Default: None.
+        region: The plan's region of this block: block ``i`` of the planned step (its
+            ``i``-th checkpoint call) takes ``i``. Needed where the plan keeps in its last
+            regions (Note [A plan's regions]); else any region decides alike. Default: None.
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint`.
             ``use_reentrant`` defaults to ``False``.
 
     Returns:
         The wrapper module.
+
+    Raises:
+        TypeError: For a plan that keeps in its last regions without ``region``; for
+            ``budget`` without ``example_batch`` or ``optimizer``.
     """
-    return torch_checkpoint_wrapper(module, matepoint_checkpoint_fn(**checkpoint_kwargs))
+    if budget is not None:
+        wrap = functools.partial(checkpoint_wrapper, **checkpoint_kwargs)
+        args = (budget, budget_plan, example_batch, optimizer, loss_fn, device)
+        budget_plan, region = _planned(module, wrap, *args), 0
+    if budget_plan is not None and region is None:
+        if budget_plan.kept_in_last and budget_plan.regions > 1:
+            raise TypeError(
+                f"this plan keeps in its last regions: name this block's region of its "
+                f"{budget_plan.regions}, checkpoint_wrapper(block, budget_plan=plan, region=i), "
+                "or wrap every block with apply_matepoint_checkpointing(budget_plan=plan)"
+            )
+        region = 0
+    function = matepoint_checkpoint_fn(budget_plan, region=region, **checkpoint_kwargs)
+    return torch_checkpoint_wrapper(module, function)
 
 
 def apply_matepoint_checkpointing(
     model: nn.Module,
     check_fn: Callable[[nn.Module], bool] = lambda _: True,
     auto_wrap_policy: Callable[[nn.Module, bool, int], bool] | None = None,
+    *,
+    budget: int | float | str | None = None,
+    example_batch: Any = None,
+    optimizer: Any = _UNSET,
+    loss_fn: Callable[[Any], Any] | None = None,
+    device: DeviceModel | None = None,
+    budget_plan: BudgetPlan | None = None,
     **checkpoint_kwargs: Any,
-) -> None:
+) -> BudgetPlan | None:
     """Wrap the submodules of ``model`` that ``check_fn`` selects with :func:`checkpoint_wrapper`.
 
     torch's ``apply_activation_checkpointing`` with matepoint as the checkpoint function: the
@@ -168,13 +350,54 @@ def apply_matepoint_checkpointing(
     repeated blocks (e.g. ``lambda m: isinstance(m, Block)``): each checkpoint then saves one
     block input, which matepoint offloads.
 
+    With ``budget=``, it plans the fastest step within the budget from the live model
+    (:func:`matepoint.plan_budget`, on a meta twin wrapped alike) and applies it; with
+    ``budget_plan=``, it applies a plan made before. Either way the ``i``-th wrapped block in
+    the model's module order takes the plan's region ``i`` (Note [A plan's regions], rule 1):
+    the order forward calls a stack's blocks in. A model that calls its blocks in another
+    order, or one block twice, needs its own calls with ``context_fn=plan.context_fn(i)``.
+
     Args:
         model: The model to modify in place.
         check_fn: Which submodules to wrap. Default: every one (rarely what you want).
         auto_wrap_policy: torch's wrap policy; takes precedence over ``check_fn``.
             Default: ``None``.
+        budget: Device memory the step may use, the optimizer's states included: bytes, a
+            string such as ``"40GiB"``, or ``"auto"`` (see :func:`matepoint.plan_budget`).
+            Default: None, no plan.
+        example_batch: With ``budget``: one batch, as :func:`matepoint.plan_budget` takes it.
+        optimizer: With ``budget``: the optimizer (None where none shares the device).
+        loss_fn: With ``budget``: turns the output into the loss. Default: its sum.
+        device: With ``budget``: the time model's rates. Default: an H200's.
+        budget_plan: A plan made before, applied block by block. Default: None.
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint`.
             ``use_reentrant`` defaults to ``False``.
+
+    Returns:
+        The plan applied, or None without one.
+
+    Raises:
+        TypeError: For ``budget`` without ``example_batch`` or ``optimizer``.
+        ValueError: Where the blocks outnumber the plan's regions, or differ from them in
+            number for a plan that keeps in its last regions.
     """
-    wrap = functools.partial(checkpoint_wrapper, **checkpoint_kwargs)
+    if budget is not None:
+
+        def prepare(twin: nn.Module) -> None:
+            apply_matepoint_checkpointing(twin, check_fn, auto_wrap_policy, **checkpoint_kwargs)
+
+        args = (budget, budget_plan, example_batch, optimizer, loss_fn, device)
+        budget_plan = _planned(model, prepare, *args)
+    if budget_plan is not None and auto_wrap_policy is None:
+        selected = [m for m in model.modules() if m is not model and check_fn(m)]
+        _check_blocks(budget_plan, len(selected), "blocks to wrap")
+    regions = itertools.count()
+
+    def wrap(module: nn.Module) -> nn.Module:
+        region = None if budget_plan is None else next(regions)
+        return checkpoint_wrapper(
+            module, budget_plan=budget_plan, region=region, **checkpoint_kwargs
+        )
+
     torch_apply_activation_checkpointing(model, wrap, check_fn, auto_wrap_policy)
+    return budget_plan

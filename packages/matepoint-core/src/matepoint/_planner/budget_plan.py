@@ -88,17 +88,43 @@ class BudgetPlan:
         """
         return policy_of(dict(self.decisions), dict(self.kept_in_last), self.regions, region)
 
-    def context_fn(self) -> Callable[[], Any]:
-        """The ``context_fn`` for every checkpoint call: ``context_fn=plan.context_fn()``.
+    def context_fn(self, region: int | None = None) -> Callable[[], Any]:
+        """The ``context_fn`` for a checkpoint call: ``context_fn=plan.context_fn(i)`` for block i.
 
-        Each call makes torch's selective-checkpoint contexts around a fresh :meth:`policy` of
-        the next region. Use one per model: it counts the calls it serves. A plan that decides
-        nothing (every op recomputed) gives torch's own ``noop_context_fn``, what a checkpoint
-        call without ``context_fn`` runs, so the same call works for every plan; compare with
-        it (``plan.context_fn() is torch.utils.checkpoint.noop_context_fn``) to tell whether a
-        plan has a policy.
+        Each call makes torch's selective-checkpoint contexts around a fresh :meth:`policy`.
+        A region is the planned step's checkpoint call of that number, in order: block ``i``
+        of a stack is region ``i``. Give each block its own, ``context_fn=plan.context_fn(i)``,
+        so that nothing but the block decides its region (See Note [A plan's regions], rule
+        1); the integrations do so for the blocks they wrap. Without ``region`` the
+        ``context_fn`` counts the calls it serves, its ``n``-th being region ``n`` modulo
+        :attr:`regions`: use one per model, and only where every forward through it makes all
+        the plan's calls in order (rule 3: a forward that raises part way shifts it for good).
+
+        A plan that decides nothing (every op recomputed) gives torch's own
+        ``noop_context_fn``, what a checkpoint call without ``context_fn`` runs, so the same
+        call works for every plan; compare with it (``plan.context_fn() is
+        torch.utils.checkpoint.noop_context_fn``) to tell whether a plan has a policy.
+
+        Args:
+            region: The block's region, from 0 to ``regions - 1``; or None to count the calls.
+                Default: None.
+
+        Raises:
+            TypeError: For a region that is not a whole number.
+            ValueError: For a region outside the plan's.
         """
-        context_fn = context_fn_of(dict(self.decisions), dict(self.kept_in_last), self.regions)
+        if region is not None:
+            if isinstance(region, bool) or not isinstance(region, int):
+                raise TypeError(f"region must be a whole number, got {region!r}")
+            if not 0 <= region < self.regions:
+                raise ValueError(
+                    f"region {region} is outside this plan's {self.regions} regions "
+                    f"(0 to {self.regions - 1}): the planned step made {self.regions} "
+                    "checkpoint calls"
+                )
+        context_fn = context_fn_of(
+            dict(self.decisions), dict(self.kept_in_last), self.regions, region
+        )
         return torch_checkpoint.noop_context_fn if context_fn is None else context_fn
 
     @property

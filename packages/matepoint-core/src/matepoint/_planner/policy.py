@@ -2,8 +2,8 @@
 
 A :class:`~matepoint.BudgetPlan` decides per class of op (Note [Op kinds] in
 ``matepoint._planner.op_kinds``); this module turns those decisions into torch's
-selective-checkpoint contexts on every checkpoint call, a fresh policy per region (Note [A
-plan's regions]).
+selective-checkpoint contexts on every checkpoint call, a fresh policy per region, each region
+named by its block (Note [A plan's regions]).
 """
 
 from __future__ import annotations
@@ -47,15 +47,24 @@ def policy_of(
     """Region ``region``'s policy; it counts the ops it sees, so it serves one call.
 
     Note [A plan's regions]
-        Rule 1. A plan's regions are the checkpoint calls of one step, in their order: the
-            ``n``-th call a ``context_fn`` serves is region ``n`` modulo the number of regions
-            the plan saw, so a step, each micro-batch of gradient accumulation and an
-            evaluation forward of the same model all start again at region 0.
+        Rule 1. A plan's regions are the checkpoint calls of its planned step, in their order:
+            region ``n`` is the step's ``n``-th call, which for a stack of blocks is block
+            ``n``. Applied, a region is named by its block, never found by counting:
+            ``BudgetPlan.context_fn(n)`` serves region ``n`` alone, and the integrations give
+            the ``n``-th block they wrap (in the model's module order) region ``n``. A wrapper
+            per block, a forward that raises part way, an evaluation forward or gradient
+            accumulation then cannot move a region to another block.
         Rule 2. A class kept in the last ``k`` regions only (``BudgetPlan.kept_in_last``) is
             kept there and decided as every region decides it elsewhere: the last regions'
             outputs are the first backward frees, so they cost the least memory at a peak late
             in backward.
-        Rule 3. A model that checkpoints a different number of regions from step to step needs
+        Rule 3. Where no block is known (``BudgetPlan.context_fn()`` without a region), the
+            ``context_fn`` counts the calls it serves: its ``n``-th is region ``n`` modulo the
+            regions. That holds only while every forward through it makes all the plan's calls
+            in order, once: one such ``context_fn`` per model, no forward that raises part way,
+            none that checkpoints fewer blocks. The search plans each candidate step so, with a
+            fresh one per planned step.
+        Rule 4. A model that checkpoints a different number of regions from step to step needs
             a plan without ``kept_in_last``.
     """
     kept = [name for name, last in kept_in_last.items() if region >= regions - last]
@@ -87,22 +96,35 @@ def policy_of(
 
 
 def context_fn_of(
-    decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int
+    decisions: dict[str, Decision],
+    kept_in_last: dict[str, int],
+    regions: int,
+    region: int | None = None,
 ) -> Callable[[], Any] | None:
     """A plan's ``context_fn``: torch's selective-checkpoint contexts around a fresh policy of
-    the next region (Note [A plan's regions]); None when everything is recomputed.
+    region ``region`` on every call, or of the next region by count where ``region`` is None
+    (Note [A plan's regions], rules 1 and 3); None when everything is recomputed.
 
     A plain function: Dynamo takes a checkpoint's ``context_fn`` only as one (or a partial), so
     a plan runs under a whole-model compile too.
     """
     if not kept_in_last and all(decision == "recompute" for decision in decisions.values()):
         return None
+    if region is not None:
+        fixed = region
+
+        def region_context_fn() -> Any:
+            return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
+                policy_of(decisions, kept_in_last, regions, fixed)
+            )
+
+        return region_context_fn
     calls = itertools.count()
 
     def context_fn() -> Any:
-        region = next(calls) % regions
+        counted = next(calls) % regions  # See Note [A plan's regions], rule 3
         return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-            policy_of(decisions, kept_in_last, regions, region)
+            policy_of(decisions, kept_in_last, regions, counted)
         )
 
     return context_fn
