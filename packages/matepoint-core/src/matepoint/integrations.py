@@ -24,9 +24,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
@@ -117,8 +119,10 @@ def _planned(
     optimizer: Any,
     loss_fn: Callable[[Any], Any] | None,
     device: DeviceModel | None,
+    scope: contextlib.AbstractContextManager[Any] | None = None,
 ) -> BudgetPlan:
-    """The plan of ``model`` with ``prepare`` applied to its meta twin, after the checks."""
+    """The plan of ``model`` with ``prepare`` applied to its meta twin, after the checks;
+    planned within ``scope`` where one is given."""
     if budget_plan is not None:
         raise TypeError(
             "pass budget= to plan here or budget_plan= for a plan made before, not both"
@@ -130,16 +134,42 @@ def _planned(
             "budget= counts the optimizer's states: pass optimizer= (None where none share "
             "the device)"
         )
-    return plan_prepared(
-        model,
-        example_batch,
-        optimizer=optimizer,
-        budget=budget,
-        loss_fn=loss_fn,
-        host_budget_bytes=None,
-        device=device,
-        prepare=prepare,
-    )
+    with scope or contextlib.nullcontext():
+        return plan_prepared(
+            model,
+            example_batch,
+            optimizer=optimizer,
+            budget=budget,
+            loss_fn=loss_fn,
+            host_budget_bytes=None,
+            device=device,
+            prepare=prepare,
+        )
+
+
+@contextlib.contextmanager
+def _one_sequence_per_row(example_batch: Any) -> Iterator[None]:
+    """transformers' search for packed sequences, answered on the meta device as the real step
+    answers it: none.
+
+    Without an attention mask, transformers reads the position ids' values to find sequences
+    packed into one row, which a meta tensor has not. Where the batch brings no position ids,
+    transformers makes one range per row, in which it finds none: the answer is None. The
+    module is patched while planning only (other threads see it too), and only where
+    transformers is loaded already: matepoint never imports it.
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    name = "find_packed_sequence_indices"
+    given = isinstance(example_batch, Mapping) and "position_ids" in example_batch
+    if masking is None or given or not hasattr(masking, name):
+        yield
+        return
+    original = getattr(masking, name)
+    setattr(masking, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        setattr(masking, name, original)
 
 
 def _check_blocks(plan: BudgetPlan, blocks: int, what: str) -> None:
@@ -223,6 +253,7 @@ def enable_hf_gradient_checkpointing(
             optimizer,
             loss_fn,
             device,
+            _one_sequence_per_row(example_batch),
         )
     _enable_hf(model, checkpoint_kwargs, budget_plan)
     return budget_plan
@@ -253,18 +284,40 @@ def _enable_hf(
             "call torch's checkpoint directly and matepoint cannot be put in its place"
         )
     functions = [function] * len(layers)
-    if budget_plan is not None and len(layers) == 1:
-        # One function for every layer's call (a model that runs its layers through its
-        # own): no block is known, so it counts (Note [A plan's regions], rule 3).
-        functions = [matepoint_checkpoint_fn(budget_plan, **checkpoint_kwargs)]
-    elif budget_plan is not None:
-        _check_blocks(budget_plan, len(layers), "checkpointed layers")
-        functions = [
-            matepoint_checkpoint_fn(budget_plan, region=index, **checkpoint_kwargs)
-            for index in range(len(layers))
-        ]
+    if budget_plan is not None:
+        functions = _hf_layer_functions(layers, budget_plan, checkpoint_kwargs)
     for module, layer_function in zip(layers, functions, strict=True):
         module._gradient_checkpointing_func = layer_function  # type: ignore[assignment]
+
+
+def _hf_layer_functions(
+    layers: list[nn.Module], budget_plan: BudgetPlan, checkpoint_kwargs: dict[str, Any]
+) -> list[functools.partial[Any]]:
+    """Each layer's checkpoint function under ``budget_plan``: its own region per layer.
+
+    transformers gives the function to every module with a ``gradient_checkpointing`` flag,
+    the model's own included; the ones that call it are those with no such module inside
+    (the decoder layers). Layer ``i`` of those takes region ``i``. Where one module calls it
+    for every layer (a model that runs its layers through its own function), no block is
+    known and the function counts (Note [A plan's regions], rule 3), as does any other.
+    """
+    counting = matepoint_checkpoint_fn(budget_plan, **checkpoint_kwargs)
+    ids = {id(module) for module in layers}
+    callers = [
+        module
+        for module in layers
+        if not any(id(inner) in ids for inner in module.modules() if inner is not module)
+    ]
+    if len(callers) == 1:
+        return [counting] * len(layers)
+    _check_blocks(budget_plan, len(callers), "checkpointed layers")
+    regions = {id(module): index for index, module in enumerate(callers)}
+    return [
+        matepoint_checkpoint_fn(budget_plan, region=regions[id(module)], **checkpoint_kwargs)
+        if id(module) in regions
+        else counting
+        for module in layers
+    ]
 
 
 def checkpoint_wrapper(

@@ -238,8 +238,9 @@ def plan_budget(
         RuntimeError: Before torch 2.5, which has no selective checkpointing.
         TypeError: For a budget or batch of the wrong type; for a sharded (FSDP2) model; for
             an optimizer whose states cannot be counted before its first step.
-        ValueError: For a zero, negative or malformed budget, ``"auto"`` off CUDA, or
-            optimizer states that take the whole budget.
+        ValueError: For a zero, negative or malformed budget, ``"auto"`` off CUDA,
+            optimizer states that take the whole budget, or a model whose step makes no
+            ``matepoint.checkpoint`` call.
 
     Example:
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
@@ -290,6 +291,12 @@ def plan_prepared(
     memory_plan = plan(
         twin, *args, loss_fn=loss_fn or _loss_or_sum, strategies=("matepoint",), **kwargs
     )
+    if not memory_plan.saves:
+        raise ValueError(
+            f"{type(model).__name__}'s step makes no matepoint.checkpoint call, so a plan has "
+            "nothing to decide: checkpoint its blocks first (matepoint.checkpoint in its "
+            "forward, or matepoint.integrations), or pass budget= to an integration"
+        )
     return memory_plan.fastest_under(
         total - states,
         host_budget_bytes=host_budget_bytes,
