@@ -404,7 +404,8 @@ def apply_matepoint_checkpointing(
     block input, which matepoint offloads.
 
     With ``budget=``, it plans the fastest step within the budget from the live model
-    (:func:`matepoint.plan_budget`, on a meta twin wrapped alike) and applies it; with
+    (:func:`matepoint.plan_budget`, on a meta twin wrapped alike: ``check_fn`` is called on
+    the twin's modules too, so select by type or name, not by identity) and applies it; with
     ``budget_plan=``, it applies a plan made before. Either way the ``i``-th wrapped block in
     the model's module order takes the plan's region ``i`` (Note [A plan's regions], rule 1):
     the order forward calls a stack's blocks in. A model that calls its blocks in another
