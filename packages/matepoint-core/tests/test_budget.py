@@ -37,7 +37,7 @@ needs_offload_values = pytest.mark.skipif(
 # Compute that takes its time and a policy that costs no host time: these tiny blocks are
 # link- and launch-bound on an H200's figures, where no kind would be worth a policy (see the
 # test of that below).
-FREE_POLICY = DeviceModel(peak_flops=1e12, policy_seconds_per_op=0)
+FREE_POLICY = DeviceModel(peak_flops=1e12, policy_seconds_per_op=0, host_seconds_per_op=0)
 
 WIDTH, HIDDEN, TOKENS, BLOCKS = 64, 256, 128, 4
 
@@ -102,7 +102,11 @@ def _plan(blocks: int = BLOCKS) -> matepoint.MemoryPlan:
 
 # Compute at 1 TFLOP/s, a link that costs nothing and a policy without host time.
 FREE_LINK = DeviceModel(
-    peak_flops=1e12, to_host_bandwidth=1e18, to_device_bandwidth=1e18, policy_seconds_per_op=0
+    peak_flops=1e12,
+    to_host_bandwidth=1e18,
+    to_device_bandwidth=1e18,
+    policy_seconds_per_op=0,
+    host_seconds_per_op=0,
 )
 
 
@@ -217,7 +221,9 @@ def test_a_budget_below_every_block_says_so_and_names_the_smallest_that_fits() -
 def test_a_slow_link_never_offloads() -> None:
     memory_plan = _plan()
     every_block = memory_plan["matepoint"].peak_bytes
-    slow = DeviceModel(peak_flops=1e12, to_host_bandwidth=1e3, to_device_bandwidth=1e3)
+    slow = DeviceModel(
+        peak_flops=1e12, to_host_bandwidth=1e3, to_device_bandwidth=1e3, host_seconds_per_op=0
+    )
     budget = memory_plan.fastest_under(every_block, device=slow)
     assert budget.fits
     assert "offload" not in dict(budget.decisions).values()
@@ -226,21 +232,25 @@ def test_a_slow_link_never_offloads() -> None:
 
 
 def test_the_checkpoint_inputs_stay_on_the_device_when_the_budget_holds_them() -> None:
-    """Sixteen thin blocks whose inputs outweigh their weights: torch's checkpoint holds them."""
+    """Sixteen thin blocks whose inputs outweigh their weights: torch's checkpoint holds them.
+
+    Each block widens to 64 inside, so the step without a checkpoint does not fit there."""
     with torch.device("meta"):
-        stack = Stack(block=lambda: nn.Linear(16, 16), count=16)
+        stack = Stack(block=lambda: nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 16)), count=16)
         x = torch.randn(4096, 16, requires_grad=True)
     memory_plan = matepoint.plan(stack, x, options=matepoint.OffloadSettings(min_offload_bytes=0))
+    # A link too slow for the widened outputs, so no policy offloads them.
+    slow_link = dataclasses.replace(FREE_POLICY, to_host_bandwidth=1e9, to_device_bandwidth=1e9)
     torch_peak, offloaded_peak = (
         memory_plan["torch"].peak_bytes,
         memory_plan["matepoint"].peak_bytes,
     )
     assert offloaded_peak < torch_peak
-    roomy = memory_plan.fastest_under(torch_peak, device=FREE_POLICY)
+    roomy = memory_plan.fastest_under(torch_peak, device=slow_link)
     assert roomy.fits
     assert roomy.strategy_plan.bytes_to_host == 0
     assert roomy.settings_changes()["min_offload_bytes"] > 4096 * 16 * 4
-    tight = memory_plan.fastest_under(offloaded_peak, device=FREE_POLICY)
+    tight = memory_plan.fastest_under(offloaded_peak, device=slow_link)
     assert tight.fits
     assert tight.strategy_plan.bytes_to_host == memory_plan["matepoint"].bytes_to_host > 0
     assert tight.settings_changes()["min_offload_bytes"] == 0
@@ -278,8 +288,10 @@ def test_the_step_time_hides_copies_under_compute_and_counts_the_rest() -> None:
     assert step_seconds(plan(10, 20, 5, 15), device, prefetch=2) == 30
     assert step_seconds(plan(10, 20, 15, 25), device, prefetch=2) == 40
     assert step_seconds(plan(10, 20, 5, 15), device, prefetch=0) == 45
-    costly = dataclasses.replace(device, policy_seconds_per_op=0.5)
-    assert step_seconds(plan(10, 20, 5, 15), costly, prefetch=2, policy_ops=4) == 32
+    # The host's time overlaps the device's and counts only beyond it.
+    host = dataclasses.replace(device, policy_seconds_per_op=0.5, host_seconds_per_op=1.0)
+    assert step_seconds(plan(10, 20, 5, 15), host, prefetch=2, policy_ops=4, host_ops=20) == 30
+    assert step_seconds(plan(10, 20, 5, 15), host, prefetch=2, policy_ops=4, host_ops=30) == 32
 
 
 @needs_offload_values
@@ -359,9 +371,7 @@ def test_a_kind_that_does_not_fit_everywhere_is_kept_in_the_last_regions(
         stack = Stack(block=Thin, count=8)
         x = torch.randn(4096, 16, requires_grad=True)
     memory_plan = matepoint.plan(stack, x, options=matepoint.OffloadSettings(min_offload_bytes=0))
-    slow_compute = DeviceModel(
-        peak_flops=1e9, to_host_bandwidth=1e18, to_device_bandwidth=1e18, policy_seconds_per_op=0
-    )
+    slow_compute = dataclasses.replace(FREE_LINK, peak_flops=1e9)
     host = memory_plan["matepoint"].pinned_bytes  # room for the block inputs only
     everywhere = memory_plan.fastest_under(
         memory_plan["none"].peak_bytes * 2, device=slow_compute, host_budget_bytes=host
@@ -457,8 +467,9 @@ def test_a_policy_that_costs_more_host_time_than_it_saves_is_not_chosen() -> Non
     memory_plan = _plan()
     roomy = memory_plan["none"].peak_bytes * 2
     assert dict(memory_plan.fastest_under(roomy, device=FREE_POLICY).decisions)
-    costly = DeviceModel(peak_flops=1e12, policy_seconds_per_op=1.0)
-    budget = memory_plan.fastest_under(roomy, device=costly)
+    costly = dataclasses.replace(FREE_POLICY, policy_seconds_per_op=1.0)
+    # Below no checkpoint's peak, which would fit and need no policy either.
+    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes - 1, device=costly)
     assert budget.fits
     assert budget.decisions == ()
     assert budget.context_fn() is torch.utils.checkpoint.noop_context_fn
@@ -473,7 +484,7 @@ def test_measured_finalists_decide_whatever_the_time_model_says(
     """Note [Measured finalists]: the policy plan and the best plan without one are measured."""
     memory_plan = _plan()
     roomy = memory_plan["none"].peak_bytes * 2
-    device = DeviceModel(peak_flops=1e12, policy_seconds_per_op=policy_cost)
+    device = dataclasses.replace(FREE_POLICY, policy_seconds_per_op=policy_cost)
     given: list[tuple[matepoint.BudgetPlan, ...]] = []
 
     def measure(plans: Any) -> list[float]:

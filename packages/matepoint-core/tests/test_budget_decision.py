@@ -204,3 +204,14 @@ def test_a_policy_is_kept_only_where_it_is_faster_with_its_host_cost(
     with_policy: float, expected: bool
 ) -> None:
     assert decision.policy_pays(with_policy, 1.0) is expected
+
+
+# --- Note [The budget search], rule 9: the fastest candidate that fits -------------------------
+
+
+def test_the_fastest_candidate_that_fits_is_returned_the_first_on_a_tie() -> None:
+    assert decision.fastest([_outcome(1.0), _outcome(0.8), _outcome(0.9)]) == 1
+    assert decision.fastest([_outcome(1.0), _outcome(0.5, fits=False), _outcome(0.9)]) == 2
+    assert decision.fastest([_outcome(0.9), _outcome(0.9)]) == 0
+    assert decision.fastest([_outcome(0.5, fits=False)]) is None
+    assert decision.fastest([]) is None

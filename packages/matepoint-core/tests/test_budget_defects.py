@@ -1,4 +1,6 @@
-"""Regression tests of the budget search's defects (issue 38: 3, 4, 5, 7, 8, 9).
+"""Regression tests of the budget search's defects (issue 38: 3, 4, 5, 7, 8, 9), and of its
+choice among every candidate it planned, no checkpoint included (Note [The budget search],
+rules 9 and 10).
 
 Each test plans a small stack on the meta device and checks that the chosen plan predicts what
 its checkpoint calls really do under the settings it carries.
@@ -16,6 +18,7 @@ from test_budget import BLOCKS, FREE_LINK, FREE_POLICY, TOKENS, WIDTH, Block, _p
 from torch import nn
 
 import matepoint
+from matepoint._planner import decision
 from matepoint._planner.policy import AVAILABLE, OFFLOAD_AVAILABLE
 
 pytestmark = pytest.mark.skipif(
@@ -169,3 +172,61 @@ def test_9_the_smallest_budget_fits_with_the_same_host_budget(host: object) -> N
     again = memory_plan.fastest_under(budget.smallest_budget_bytes, host_budget_bytes=host_budget)
     assert again.fits, again
     assert again.pinned_bytes_per_node <= host_budget
+
+
+# --- Note [The budget search], rules 9 and 10 ---------------------------------------------------
+
+
+def test_no_checkpoint_is_chosen_where_it_fits_and_is_fastest() -> None:
+    """Thin linear blocks: without a checkpoint the step peaks no higher than torch's."""
+    memory_plan = _thin_plan()
+    none = memory_plan["none"]
+    budget = memory_plan.fastest_under(none.peak_bytes, device=FREE_POLICY)
+    assert budget.fits
+    assert not budget.checkpoint
+    assert budget.decisions == ()
+    assert budget.peak_bytes == none.peak_bytes
+    assert budget.strategy_plan is none
+    assert budget.step_seconds < budget.every_block_seconds
+    assert "no checkpoint needed: the step without any checkpoint peaks at" in str(budget)
+    assert "held on the device" not in str(budget)
+    below = memory_plan.fastest_under(none.peak_bytes - 1, device=FREE_POLICY)
+    assert below.checkpoint
+    assert "no checkpoint needed" not in str(below)
+
+
+def test_the_plan_returned_is_the_fastest_of_every_candidate_that_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every try, the every-block step and no checkpoint are compared, each with its policy's
+    host cost: none that fits is estimated faster than the plan returned."""
+    compared: list[list[decision.Outcome]] = []
+    fastest = decision.fastest
+
+    def logged(outcomes: Any) -> int | None:
+        compared.append(list(outcomes))
+        return fastest(outcomes)
+
+    monkeypatch.setattr(decision, "fastest", logged)
+    memory_plan = _plan()
+    halfway = (memory_plan["matepoint"].peak_bytes + memory_plan["none"].peak_bytes) // 2
+    for device in (FREE_POLICY, dataclasses.replace(FREE_POLICY, policy_seconds_per_op=1e-6)):
+        compared.clear()
+        budget = memory_plan.fastest_under(halfway, device=device)
+        [outcomes] = compared
+        assert len(outcomes) > 3  # the plain step, every block, the best, the tries
+        assert budget.fits
+        assert budget.step_seconds <= min(o.seconds for o in outcomes if o.fits)
+
+
+def test_a_policy_whose_host_cost_the_device_hides_is_taken() -> None:
+    """Slow compute: the policy's host time (about a third of the device's) overlaps it.
+    Added to the device's, as before, it would cost more than keeping saves."""
+    memory_plan = _plan()
+    device = dataclasses.replace(FREE_POLICY, peak_flops=1e9, policy_seconds_per_op=3e-4)
+    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes - 1, device=device)
+    assert "keep" in dict(budget.decisions).values(), budget
+    planned = budget.strategy_plan
+    device_seconds = (planned.forward_flops + planned.backward_flops) / device.peak_flops
+    assert budget.step_seconds == pytest.approx(device_seconds)
+    assert budget.step_seconds < budget.every_block_seconds

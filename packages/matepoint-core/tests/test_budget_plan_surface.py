@@ -23,7 +23,7 @@ from matepoint._planner.time_model import DeviceModel
 if not AVAILABLE:
     pytest.skip("budget plans need torch's selective checkpointing (2.5)", allow_module_level=True)
 
-FREE_POLICY = DeviceModel(peak_flops=1e12, policy_seconds_per_op=0)
+FREE_POLICY = DeviceModel(peak_flops=1e12, policy_seconds_per_op=0, host_seconds_per_op=0)
 
 
 def _elementwise(x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,8 @@ def test_sizes_given_as_floats_are_planned_as_whole_bytes(
 def test_a_step_without_matrix_products_or_link_traffic_prints(
     memory_plan: matepoint.MemoryPlan,
 ) -> None:
-    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2)
+    no_host = DeviceModel(host_seconds_per_op=0)
+    budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=no_host)
     assert budget.every_block_seconds == 0
     text = str(budget)
     assert "estimated step 0.0 ms" in text
@@ -174,11 +175,14 @@ def test_the_documented_context_fn_pattern_runs_when_the_plan_decides_nothing(
 
 
 class _Thin(nn.Module):
-    """Sixteen thin blocks whose inputs outweigh their weights (as in ``test_budget.py``)."""
+    """Sixteen thin blocks whose inputs outweigh their weights (as in ``test_budget.py``),
+    each widening to 64 inside, so that the step without a checkpoint peaks higher."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(16))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 16)) for _ in range(16)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -191,14 +195,16 @@ def test_print_names_the_checkpoint_inputs_held_on_the_device() -> None:
         stack = _Thin()
         x = torch.randn(4096, 16, requires_grad=True)
     memory_plan = matepoint.plan(stack, x, options=matepoint.OffloadSettings(min_offload_bytes=0))
-    roomy = memory_plan.fastest_under(memory_plan["torch"].peak_bytes, device=FREE_POLICY)
+    # A link too slow for the widened outputs, so no policy offloads them.
+    slow_link = dataclasses.replace(FREE_POLICY, to_host_bandwidth=1e9, to_device_bandwidth=1e9)
+    roomy = memory_plan.fastest_under(memory_plan["torch"].peak_bytes, device=slow_link)
     assert roomy.strategy_plan.bytes_to_host == 0
     held = roomy.settings_changes()["min_offload_bytes"]
     assert held > 4096 * 16 * 4
     assert (
         f"checkpoint inputs held on the device (min_offload_bytes={held}): no link traffic for them"
     ) in str(roomy)
-    tight = memory_plan.fastest_under(memory_plan["matepoint"].peak_bytes, device=FREE_POLICY)
+    tight = memory_plan.fastest_under(memory_plan["matepoint"].peak_bytes, device=slow_link)
     assert tight.strategy_plan.bytes_to_host > 0
     assert "held on the device" not in str(tight)
     assert "checkpoint inputs offloaded (min_offload_bytes=0)" in str(tight)

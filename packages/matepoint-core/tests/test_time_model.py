@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ WHOLE_ENTRY = {
     "to_host_bandwidth": 6e10,
     "to_device_bandwidth": 6e10,
     "policy_seconds_per_op": 1e-6,
+    "host_seconds_per_op": 2e-6,
 }
 
 
@@ -269,3 +271,39 @@ def test_four_processes_calibrating_four_devices_leave_four_entries(tmp_path: Pa
     assert [writer.wait(timeout=120) for writer in writers] == [0] * count
     stored = json.loads(path.read_text(encoding="utf-8"))
     assert set(stored) == {f"GPU {index} | torch 2.11" for index in range(count)}
+
+
+# --- Note [Host and device overlap] -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host_ops", "policy_ops", "expected"),
+    [
+        (0, 0, 30.0),  # the device's time alone
+        (20, 0, 30.0),  # host 20 s hidden under the device's 30
+        (20, 10, 30.0),  # host 20 + 10 x 0.5 = 25 s, still hidden
+        (20, 30, 35.0),  # host 20 + 15 = 35 s: the step waits on the host
+        (40, 0, 40.0),  # host-bound without any policy
+    ],
+)
+def test_host_time_costs_the_step_only_beyond_the_devices(
+    host_ops: int, policy_ops: int, expected: float
+) -> None:
+    planned = types.SimpleNamespace(
+        forward_flops=10, backward_flops=20, bytes_to_host=0, bytes_to_device=0
+    )
+    device = DeviceModel(
+        peak_flops=1.0,
+        to_host_bandwidth=1.0,
+        to_device_bandwidth=1.0,
+        policy_seconds_per_op=0.5,
+        host_seconds_per_op=1.0,
+    )
+    seconds = time_model.step_seconds(planned, device, 2, policy_ops, host_ops)
+    assert seconds == expected
+
+
+def test_the_base_host_cost_may_be_zero_but_not_negative() -> None:
+    assert DeviceModel(host_seconds_per_op=0).host_seconds_per_op == 0
+    with pytest.raises(ValueError, match="host_seconds_per_op"):
+        DeviceModel(host_seconds_per_op=-1e-6)

@@ -60,6 +60,9 @@ class BudgetPlan:
         strategy_plan: The chosen step's full plan (a :class:`matepoint.StrategyPlan`).
         measured_seconds: The measured step times of the search's finalists, this plan's
             (the fastest) first (Note [Measured finalists]); empty when none were measured.
+        checkpoint: False where the step without any checkpoint fits and is estimated fastest
+            (Note [The budget search], rule 10): train without checkpointing; ``decisions``
+            is then empty and ``strategy_plan`` is that step's.
     """
 
     budget_bytes: int
@@ -78,6 +81,7 @@ class BudgetPlan:
     kinds: tuple[KindProfile, ...]
     strategy_plan: StrategyPlan = dataclasses.field(repr=False, compare=False)
     measured_seconds: tuple[float, ...] = ()
+    checkpoint: bool = True
 
     def policy(self, region: int = 0) -> Callable[..., Any]:
         """A selective-checkpoint policy for one checkpoint call: ``policy(ctx, op, *args)``.
@@ -156,7 +160,12 @@ class BudgetPlan:
             self._estimate_line(),
             f"  look-ahead (prefetch) {self.prefetch}",
         ]
-        if held := self._inputs_line():
+        if not self.checkpoint:
+            lines.append(
+                f"  no checkpoint needed: the step without any checkpoint peaks at "
+                f"{self.peak_bytes / _GIB:.2f} GiB, within the budget, and is estimated fastest"
+            )
+        elif held := self._inputs_line():
             lines.append(held)
         if self.measured_seconds:
             lines.append(
@@ -176,7 +185,7 @@ class BudgetPlan:
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
             )
         decided, kept_last = dict(self.decisions), dict(self.kept_in_last)
-        for kind in self.kinds:
+        for kind in self.kinds if self.checkpoint else ():
             last = kept_last.get(kind.kind)
             where = f" (keep in the last {last} of {self.regions} regions)" if last else ""
             lines.append(

@@ -19,6 +19,7 @@ from matepoint._planner.trace import ALLOCATION_GRANULARITY
 __all__ = [
     "Outcome",
     "cannot_fit_kept",
+    "fastest",
     "fits",
     "fits_host",
     "holds_inputs_on_device",
@@ -195,6 +196,14 @@ def holds_inputs_on_device(held: Outcome, offloading_seconds: float) -> bool:
     """Whether the try with the inputs held on the device is taken: it fits and is no slower
     than the same choice offloading them. See Note [The budget search], rule 6."""
     return held.fits and held.seconds <= offloading_seconds
+
+
+def fastest(outcomes: Sequence[Outcome]) -> int | None:
+    """Which candidate the search returns, by index in ``outcomes``: the fastest that fits, the
+    first of those tied; None where none fits. Each outcome's time counts its policy's host
+    cost. See Note [The budget search], rule 9."""
+    fitting = [index for index, outcome in enumerate(outcomes) if outcome.fits]
+    return min(fitting, key=lambda index: outcomes[index].seconds, default=None)
 
 
 def policy_pays(seconds_with_policy: float, seconds_without_policy: float) -> bool:

@@ -177,6 +177,7 @@ class MemoryPlan:
             ranks,
             device or default,
             measure,
+            self.strategies.get("none"),
         )
 
     def to_dict(self, max_points: int = 2000) -> dict[str, Any]:

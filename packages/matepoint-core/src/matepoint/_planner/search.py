@@ -23,7 +23,9 @@ Note [The budget search]
         or offloading it saves nothing.
     Rule 2. Any policy at all costs host time on every op of the regions, in forward and in the
         recomputation (``DeviceModel.policy_seconds_per_op``), the same whatever it keeps: tries
-        are compared without it, and rule 7 charges it once at the end.
+        are compared without it, and rules 7 and 9 charge it at the end. Host time overlaps the
+        device's (Note [Host and device overlap] in ``matepoint._planner.time_model``): it
+        costs a step only beyond the device's time.
     Rule 3. Where the starting step (matepoint on every region) does not fit with its
         look-ahead, it is planned again without (``prefetch`` 0), which is taken if it fits;
         where that does not fit either, with the checkpoint inputs held on the device (rule 6),
@@ -50,6 +52,15 @@ Note [The budget search]
         try never lowers ``min_offload_bytes``.
     Rule 7. A policy is kept only if the best step with it, its host cost counted (rule 2), is
         faster than the best step without one: on a small, launch-bound model it may not be.
+    Rule 9. The plan returned is the fastest that fits of every candidate planned, each timed
+        with its policy's host cost: the tries, the every-block step, the step without a policy
+        (first, so that a tie goes to it) and rule 10's. No plan that fits is estimated faster
+        than the one returned (rule 6's try, taken only where no slower, keeps it so).
+    Rule 10. The step without any checkpoint (``MemoryPlan``'s ``"none"`` strategy) is a
+        candidate where its peak fits: it recomputes nothing and pays no policy. Where it is the
+        fastest, the plan says so (``checkpoint`` False). Skipping the checkpoint of the last
+        blocks only is not a candidate yet: applying it needs the integrations to leave those
+        blocks unwrapped.
     Rule 8. A step fits where its peak fits the device budget and its host side fits too: its
         pinned pool, times the node's ranks, within the host budget, and no pool that would
         raise (``on_pool_exhausted="raise"`` past ``pool_cap_bytes``). The smallest budget
@@ -159,10 +170,12 @@ def _timed(
     settings: OffloadSettings,
     device: DeviceModel,
     budget: _Budget,
+    host_ops: int,
     policy_ops: int = 0,
 ) -> _Trial:
-    """``plan`` as a candidate, timed with ``policy_ops`` ops through a policy."""
-    seconds = step_seconds(plan, device, settings.prefetch, policy_ops)
+    """``plan`` as a candidate, timed with ``host_ops`` ops on the host, ``policy_ops`` of them
+    through a policy (Note [Host and device overlap] in ``matepoint._planner.time_model``)."""
+    seconds = step_seconds(plan, device, settings.prefetch, policy_ops, host_ops)
     return _Trial(plan, settings, seconds, budget.fits(plan))
 
 
@@ -177,6 +190,8 @@ class _Search:
         regions: The profiled step's checkpoint calls, at least 1 (Note [A plan's regions]).
         policy_ops: Ops a policy meets in one step: every op of the regions, in forward and
             again in the recomputation (Note [The budget search], rule 2).
+        host_ops: Ops the host runs in one checkpointed step: the regions' forward, its
+            recomputation and backward, taken as many again as forward.
         kinds: The profiled kinds of op, best to keep first (Note [Op kinds]).
         every_block: The profiled step: matepoint on every region, nothing kept.
         smallest: The least peak among the steps planned so far whose host side fits, the
@@ -188,9 +203,11 @@ class _Search:
     budget: _Budget
     regions: int
     policy_ops: int
+    host_ops: int
     kinds: tuple[KindProfile, ...]
     every_block: _Trial
     smallest: int | None
+    tried: list[_Choice] = dataclasses.field(default_factory=list)
 
     def attempt(
         self,
@@ -204,7 +221,20 @@ class _Search:
         planned = self.replan(settings, context_fn=context_fn)[0]
         self.note_peak(planned)
         ops = self.policy_ops if policy_cost and context_fn else 0
-        return _timed(planned, settings, self.device, self.budget, ops)
+        trial = _timed(planned, settings, self.device, self.budget, self.host_ops, ops)
+        self.tried.append(_Choice(trial, dict(decisions), dict(kept_in_last)))
+        return trial
+
+    def charged(self, choice: _Choice) -> _Choice:
+        """``choice`` timed with its policy's host cost, where it has a policy (Note [The
+        budget search], rules 2 and 7)."""
+        if not (choice.decisions or choice.kept_in_last):
+            return choice
+        trial = choice.trial
+        seconds = step_seconds(
+            trial.plan, self.device, trial.settings.prefetch, self.policy_ops, self.host_ops
+        )
+        return dataclasses.replace(choice, trial=trial._replace(seconds=seconds))
 
     def note_peak(self, planned: StrategyPlan) -> None:
         """Count ``planned``'s peak in the smallest, where its host side fits (Note [The budget
@@ -228,11 +258,14 @@ class _Choice:
         trial: Its planned step.
         decisions: Per class of op kept or offloaded in every region; the rest are recomputed.
         kept_in_last: Classes kept in the last regions only, with how many.
+        checkpoint: False for the step without any checkpoint (Note [The budget search],
+            rule 10).
     """
 
     trial: _Trial
     decisions: dict[str, Decision] = dataclasses.field(default_factory=dict)
     kept_in_last: dict[str, int] = dataclasses.field(default_factory=dict)
+    checkpoint: bool = True
 
 
 def fastest_under(
@@ -243,6 +276,7 @@ def fastest_under(
     ranks_per_node: int,
     device: DeviceModel,
     measure: Callable[[Sequence[BudgetPlan]], Sequence[float]] | None = None,
+    no_checkpoint: StrategyPlan | None = None,
 ) -> BudgetPlan:
     """Search keep / offload / recompute per kind of op; see Note [The budget search].
 
@@ -256,6 +290,8 @@ def fastest_under(
         device: The time model's device.
         measure: Times plans on the real device (Note [Measured finalists]), or None to
             trust the time model.
+        no_checkpoint: The step planned without any checkpoint, a candidate where it fits
+            (Note [The budget search], rule 10), or None.
 
     Returns:
         The plan.
@@ -273,7 +309,7 @@ def fastest_under(
     best = _Choice(plain)
     overflowed = _decide_kinds(search, best)
     _keep_in_last_regions(search, best, overflowed)
-    return _conclude(search, plain, best, measure)
+    return _conclude(search, plain, best, measure, no_checkpoint)
 
 
 def _profiled(
@@ -292,8 +328,9 @@ def _profiled(
         regions=max(profiler.regions, 1),
         # Every op of the regions meets the policy twice: in forward and in the recomputation.
         policy_ops=2 * profiler.ops,
+        host_ops=3 * profiler.ops,
         kinds=tuple(profiler.kinds()),
-        every_block=_timed(profiled, settings, device, budget),
+        every_block=_timed(profiled, settings, device, budget, 3 * profiler.ops),
         smallest=None,
     )
     search.note_peak(profiled)
@@ -398,34 +435,39 @@ def _conclude(
     plain: _Trial,
     best: _Choice,
     measure: Callable[[Sequence[BudgetPlan]], Sequence[float]] | None,
+    no_checkpoint: StrategyPlan | None,
 ) -> BudgetPlan:
-    """The plan: ``best`` with its policy's host cost, or ``plain``, whichever is faster or
-    measures faster (Note [The budget search], rule 7; Note [Measured finalists])."""
+    """The plan: the fastest candidate that fits, its policy's host cost counted, or the
+    faster finalist measured (Note [The budget search], rules 7, 9 and 10; Note [Measured
+    finalists])."""
     smallest = search.smallest  # the on-device tries of _budget_plan are never counted in it
     if not (best.decisions or best.kept_in_last):  # Note [Measured finalists], rule 3
-        return _budget_plan(search, _Choice(plain), smallest)
-    charged = best.trial._replace(
-        seconds=step_seconds(
-            best.trial.plan, search.device, best.trial.settings.prefetch, search.policy_ops
-        )
-    )
-    with_policy = _Choice(charged, best.decisions, best.kept_in_last)
+        measure = None
     if measure is not None:  # Note [Measured finalists], rule 2
         finalists = (
-            _budget_plan(search, with_policy, smallest),
+            _budget_plan(search, search.charged(best), smallest),
             _budget_plan(search, _Choice(plain), smallest),
         )
         return _measured(finalists, measure)
-    if decision.policy_pays(charged.seconds, plain.seconds):
-        return _budget_plan(search, with_policy, smallest)
-    return _budget_plan(search, _Choice(plain), smallest)
+    # Rule 9: every candidate planned, each with its policy's host cost; the step without a
+    # policy first, so that a tie goes to it (rule 7), and without a checkpoint last (rule 10).
+    candidates = [_Choice(plain), _Choice(search.every_block), search.charged(best)]
+    candidates += [search.charged(tried) for tried in search.tried]
+    if no_checkpoint is not None:
+        # No checkpoint: forward and backward, no recomputation and no policy.
+        unchecked = _timed(
+            no_checkpoint, plain.settings, search.device, search.budget, 2 * search.host_ops // 3
+        )
+        candidates.append(_Choice(unchecked, checkpoint=False))
+    fastest = decision.fastest([candidate.trial.outcome for candidate in candidates])
+    return _budget_plan(search, candidates[0 if fastest is None else fastest], smallest)
 
 
 def _budget_plan(search: _Search, chosen: _Choice, smallest: int | None) -> BudgetPlan:
     """The plan of ``chosen``, its inputs held on the device where that fits and is no slower
     (Note [The budget search], rule 6); ``smallest`` is the least peak the search planned."""
     trial = chosen.trial
-    holding = search.holding_min_offload_bytes
+    holding = search.holding_min_offload_bytes if chosen.checkpoint else None
     if decision.tries_inputs_on_device(
         chosen.decisions.values(), trial.settings.min_offload_bytes, holding
     ):
@@ -444,6 +486,7 @@ def _budget_plan(search: _Search, chosen: _Choice, smallest: int | None) -> Budg
         kept_in_last=tuple(sorted(chosen.kept_in_last.items())),
         regions=search.regions,
         settings=trial.settings,
+        checkpoint=chosen.checkpoint,
         peak_bytes=trial.plan.peak_bytes,
         pinned_bytes_per_node=trial.plan.pinned_bytes * budget.ranks_per_node,
         step_seconds=trial.seconds,

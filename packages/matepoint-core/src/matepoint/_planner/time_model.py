@@ -1,9 +1,11 @@
 """The planner's time model: the device's rates, the step-time estimate, and calibration.
 
 Every time the planner reports or a budget search compares comes from here: compute is FLOPs at
-``DeviceModel.peak_flops``, link time is bytes at its bandwidths, and the selective-checkpoint
-policy's host cost is ops times ``policy_seconds_per_op``. The defaults are an H200's; a
-calibration (:func:`calibrate`) measures the device itself, cached on disk.
+``DeviceModel.peak_flops``, link time is bytes at its bandwidths, and the host's time is ops
+times ``host_seconds_per_op``, plus ``policy_seconds_per_op`` for each op a selective-checkpoint
+policy sees; the host's time overlaps the device's (Note [Host and device overlap]). The
+defaults are an H200's; a calibration (:func:`calibrate`) measures the device itself, cached on
+disk.
 
 The default :class:`~matepoint.DeviceModel` holds an H200's published peak and the link
 bandwidth measured on one H200 host. Real matrix rates are lower than the peak, hosts differ in
@@ -39,6 +41,7 @@ if sys.platform != "win32":
     import fcntl
 
 __all__ = [
+    "DEFAULT_HOST_SECONDS_PER_OP",
     "DEFAULT_LINK_BANDWIDTH",
     "DEFAULT_PEAK_FLOPS",
     "DEFAULT_POLICY_SECONDS_PER_OP",
@@ -58,6 +61,10 @@ DEFAULT_PEAK_FLOPS = 989e12
 # Host seconds a selective-checkpoint policy adds to one op (torch dispatches every op of a
 # region through a Python mode); docs/budget.md has the measurements behind it.
 DEFAULT_POLICY_SECONDS_PER_OP = 10e-6
+# Host seconds an eager op costs with no policy (Python, dispatch, the kernel's launch): what the
+# device's work must outlast for a step to be bound by the device, not the host. Not measured
+# yet, by calibrate() or here: 0 leaves the host's time to the policy's cost alone.
+DEFAULT_HOST_SECONDS_PER_OP = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,24 +79,28 @@ class DeviceModel:
             dispatches every op of a region through a Python mode, in forward and again in the
             recomputation). On an H200 host with torch 2.11, torch's own selective peers were
             slower than plain checkpointing on a 16-block stack of width 2048 for this reason.
+        host_seconds_per_op: Host time every op of the step costs without a policy (Python,
+            dispatch, the kernel's launch). Default 0: not measured yet, and
+            :func:`calibrate` leaves it at 0.
     """
 
     peak_flops: float = DEFAULT_PEAK_FLOPS
     to_host_bandwidth: float = DEFAULT_LINK_BANDWIDTH
     to_device_bandwidth: float = DEFAULT_LINK_BANDWIDTH
     policy_seconds_per_op: float = DEFAULT_POLICY_SECONDS_PER_OP
+    host_seconds_per_op: float = DEFAULT_HOST_SECONDS_PER_OP
 
     def __post_init__(self) -> None:
         """Refuse a rate the search cannot divide by or compare: each is checked by name.
 
         Raises:
             TypeError: For a field that is not a real number (a bool, a string, None).
-            ValueError: For a rate that is zero, negative, NaN or infinite, or a policy cost
-                that is negative, NaN or infinite (it may be zero).
+            ValueError: For a rate that is zero, negative, NaN or infinite, or a host cost per
+                op that is negative, NaN or infinite (it may be zero).
         """
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            may_be_zero = field.name == "policy_seconds_per_op"
+            may_be_zero = field.name.endswith("_seconds_per_op")
             wanted = "0 or more" if may_be_zero else "above 0"
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(
@@ -125,25 +136,42 @@ def link_seconds(nbytes: int, bandwidth: float) -> float:
     return nbytes / bandwidth
 
 
-def step_seconds(
-    strategy_plan: StepFigures, device: DeviceModel, prefetch: int, policy_ops: int = 0
-) -> float:
-    """Estimate a planned step's time: compute, plus link time the compute cannot hide.
+# Note [Host and device overlap]
+#     Rule 1. The device's time is its compute (the step's FLOPs at ``peak_flops``, the
+#         recomputation included) and the link's time beyond the compute it overlaps: copies to
+#         the host overlap forward, copies back overlap backward where records are fetched
+#         ahead (``prefetch`` above 0), and are waited for in full where they are not.
+#     Rule 2. The host's time is every op's own cost (``host_seconds_per_op``) and, for the ops
+#         a selective-checkpoint policy sees, the policy's (``policy_seconds_per_op``).
+#     Rule 3. The host queues work ahead of the device: the step takes the longer of the two,
+#         so host time costs the step only where it is longer than the device's.
+#     Example: a device time of 30 ms and 1000 ops through a policy at 10 us each, plus 4 us
+#     per op of 3000: the host needs 22 ms, hidden; at 20 us per policy op it needs 32 ms, and
+#     the step takes 32 ms.
 
-    Compute is the step's FLOPs at ``device.peak_flops`` (recomputation included, so what is
-    kept or offloaded shortens backward). Copies to the host overlap forward and copies back
-    overlap backward; what they take beyond that is added. Without look-ahead every copy back
-    is waited for. ``policy_ops`` ops pass through a selective-checkpoint policy (torch runs
-    it in Python for every op of a region, in forward and again in the recomputation), each
-    costing ``device.policy_seconds_per_op``.
+
+def step_seconds(
+    strategy_plan: StepFigures,
+    device: DeviceModel,
+    prefetch: int,
+    policy_ops: int = 0,
+    host_ops: int = 0,
+) -> float:
+    """Estimate a planned step's time: the longer of the device's and the host's.
+
+    See Note [Host and device overlap]. ``host_ops`` ops run in the step, each costing
+    ``device.host_seconds_per_op`` on the host; ``policy_ops`` of them pass through a
+    selective-checkpoint policy (torch runs it in Python for every op of a region, in forward
+    and again in the recomputation), each costing ``device.policy_seconds_per_op`` more.
     """
     forward = compute_seconds(strategy_plan.forward_flops, device.peak_flops)
     backward = compute_seconds(strategy_plan.backward_flops, device.peak_flops)
     to_host = link_seconds(strategy_plan.bytes_to_host, device.to_host_bandwidth)
     to_device = link_seconds(strategy_plan.bytes_to_device, device.to_device_bandwidth)
-    hidden_back = 0.0 if prefetch == 0 else backward
+    hidden_back = 0.0 if prefetch == 0 else backward  # rule 1
     exposed = max(0.0, to_host - forward) + max(0.0, to_device - hidden_back)
-    return forward + backward + exposed + policy_ops * device.policy_seconds_per_op
+    host = host_ops * device.host_seconds_per_op + policy_ops * device.policy_seconds_per_op
+    return max(forward + backward + exposed, host)  # rules 2 and 3
 
 
 def _seconds(device: torch.device, work: Callable[[], object]) -> float:
