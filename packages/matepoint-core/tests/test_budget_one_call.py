@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -353,17 +352,7 @@ def _tiny_llama() -> nn.Module:
     return model
 
 
-@pytest.fixture
-def hf_checkpointing_warnings() -> Iterator[None]:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 @needs_plans
-@pytest.mark.usefixtures("hf_checkpointing_warnings")
 def test_a_transformers_model_plans_in_one_call_and_matches_torch(
     cpu_transport: CPUTestTransport,
 ) -> None:
@@ -391,7 +380,12 @@ def test_a_transformers_model_plans_in_one_call_and_matches_torch(
     functions = [layer._gradient_checkpointing_func for layer in layers]
     assert len({id(function) for function in functions}) == len(layers) == 3
     # Torch's checkpoint, layer i under region i's policy.
-    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if callable(enable := getattr(reference, "activation_checkpointing_enable", None)):
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # transformers before 5
+        reference.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
     reference_layers = [m for m in reference.modules() if type(m).__name__ == "LlamaDecoderLayer"]
     for index, layer in enumerate(reference_layers):
         context = {"context_fn": plan.context_fn(index)}
