@@ -401,3 +401,30 @@ def test_a_transformers_model_plans_in_one_call_and_matches_torch(
     for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert got.grad is not None, name
         assert torch.equal(got.grad, want.grad), name
+
+
+class Reversed(nn.Module):
+    """Calls its blocks last to first: block i is not the step's i-th checkpoint call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in reversed(self.blocks):
+            x = block(x)
+        return x
+
+
+@needs_plans
+def test_apply_with_a_budget_refuses_blocks_called_out_of_module_order() -> None:
+    model = Reversed()
+    with pytest.raises(ValueError, match=r"in the order \[3, 2, 1, 0\]"):
+        mi.apply_matepoint_checkpointing(
+            model,
+            lambda m: isinstance(m, Block),
+            budget="1GiB",
+            example_batch=torch.randn(*SHAPE),
+            optimizer=None,
+        )
+    assert all(isinstance(block, Block) for block in model.blocks)  # nothing wrapped

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -436,22 +435,57 @@ def apply_matepoint_checkpointing(
             number for a plan that keeps in its last regions.
     """
     if budget is not None:
+        calls: list[int] = []
 
         def prepare(twin: nn.Module) -> None:
-            apply_matepoint_checkpointing(twin, check_fn, auto_wrap_policy, **checkpoint_kwargs)
+            wrappers = _wrap_blocks(twin, check_fn, auto_wrap_policy, None, checkpoint_kwargs)
+            for index, wrapper in enumerate(wrappers):
+                wrapper.register_forward_pre_hook(functools.partial(_called, calls, index))
 
         args = (budget, budget_plan, example_batch, optimizer, loss_fn, device)
         budget_plan = _planned(model, prepare, *args)
+        _check_call_order(calls, budget_plan.regions)
     if budget_plan is not None and auto_wrap_policy is None:
         selected = [m for m in model.modules() if m is not model and check_fn(m)]
         _check_blocks(budget_plan, len(selected), "blocks to wrap")
-    regions = itertools.count()
+    _wrap_blocks(model, check_fn, auto_wrap_policy, budget_plan, checkpoint_kwargs)
+    return budget_plan
+
+
+def _wrap_blocks(
+    model: nn.Module,
+    check_fn: Callable[[nn.Module], bool],
+    auto_wrap_policy: Callable[[nn.Module, bool, int], bool] | None,
+    budget_plan: BudgetPlan | None,
+    checkpoint_kwargs: dict[str, Any],
+) -> list[nn.Module]:
+    """Wrap the selected blocks, block ``i`` with region ``i`` of ``budget_plan``; return the
+    wrappers in the order they were made, block ``i``'s at ``i``."""
+    wrappers: list[nn.Module] = []
 
     def wrap(module: nn.Module) -> nn.Module:
-        region = None if budget_plan is None else next(regions)
-        return checkpoint_wrapper(
-            module, budget_plan=budget_plan, region=region, **checkpoint_kwargs
+        region = None if budget_plan is None else len(wrappers)
+        wrappers.append(
+            checkpoint_wrapper(module, budget_plan=budget_plan, region=region, **checkpoint_kwargs)
         )
+        return wrappers[-1]
 
     torch_apply_activation_checkpointing(model, wrap, check_fn, auto_wrap_policy)
-    return budget_plan
+    return wrappers
+
+
+def _called(calls: list[int], index: int, *_args: Any) -> None:
+    """A wrapped block of the planned twin was called: record its number."""
+    calls.append(index)
+
+
+def _check_call_order(calls: list[int], regions: int) -> None:
+    """The planned step's forward calls block ``i`` as its ``i``-th checkpoint, so block ``i``
+    may take region ``i`` (Note [A plan's regions], rule 1); else say what to do."""
+    if calls[:regions] != list(range(regions)):
+        raise ValueError(
+            "the planned step called the wrapped blocks in the order "
+            f"{calls[:regions]}, not one after the other in module order: block i cannot take "
+            "region i. Plan the model with matepoint.plan_budget and give each checkpoint "
+            "call its region, context_fn=plan.context_fn(i), i its place in the calls"
+        )
