@@ -99,8 +99,10 @@ class _Pending:
     """
 
     storage: Any
-    offload: Callable[[torch.Tensor], Any] | None
+    offload: Callable[..., Any] | None
     key: Any = _NO_KEY
+    # The marked op's arguments, until its entry is replaced: an output may be a view of one.
+    arguments: tuple[Any, ...] = ()
 
     def flush(self) -> None:
         """Replace the stored entry of the op marked for offload, if any."""
@@ -108,6 +110,7 @@ class _Pending:
             return
         container = self.storage[self.key]
         self.key = _NO_KEY
+        arguments, self.arguments = self.arguments, ()
         # The list's last item or the dict's last inserted key (Note [Selective
         # checkpointing's storage], rule 4): no op stored an entry since the marked one.
         index = next(reversed(container)) if isinstance(container, dict) else -1
@@ -121,7 +124,10 @@ class _Pending:
                 return leaf
             # Written in place since it was stored: torch's wrapper raises its error when the
             # recomputation asks for it.
-            return offload(leaf.val) if leaf.val._version == leaf.version else leaf
+            if leaf.val._version != leaf.version:
+                return leaf
+            base = _argument_sharing_memory(leaf.val, arguments)
+            return offload(leaf.val) if base is None else offload(leaf.val, base)
 
         # A dispatch mode's handler runs with the ADInplaceOrView key excluded, where detach()
         # makes an alias with a fresh version counter: matepoint's version witness would then
@@ -129,6 +135,20 @@ class _Pending:
         # same way.
         with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
             container[index] = tree_map(replace, container[index])
+
+
+def _argument_sharing_memory(value: torch.Tensor, arguments: tuple[Any, ...]) -> Any:
+    """The op's tensor argument whose storage ``value`` shares (a view op's input), or None.
+
+    The stored alias was made below autograd, so its own ``_base`` is empty. Storages are
+    compared as objects (torch keeps one Python object per live storage; every meta tensor's
+    ``data_ptr`` is 0).
+    """
+    storage = value.untyped_storage()
+    for argument in arguments:
+        if isinstance(argument, torch.Tensor) and argument.untyped_storage() is storage:
+            return argument
+    return None
 
 
 def _offload_as_save(policy: Callable[..., Any], pending: _Pending | None) -> Callable[..., Any]:
@@ -153,6 +173,7 @@ def _offload_as_save(policy: Callable[..., Any], pending: _Pending | None) -> Ca
             if _is_compiling(func, args, kwargs):
                 return decision
             pending.key = _storage_key(func, args)
+            pending.arguments = args
         return _SAVE_FOR_OFFLOAD[decision]
 
     return decide
@@ -177,7 +198,7 @@ class _OffloadingCachingMode(_CachingMode):  # type: ignore[misc]
         return result
 
 
-def offloading_selective_contexts(contexts: Any, offload: Callable[[torch.Tensor], Any]) -> Any:
+def offloading_selective_contexts(contexts: Any, offload: Callable[..., Any]) -> Any:
     """Make torch's selective-checkpoint pair offload what its policy marks for CPU offload.
 
     See Note [Selective checkpointing's storage]. The forward mode's policy answers "save" for
@@ -191,7 +212,9 @@ def offloading_selective_contexts(contexts: Any, offload: Callable[[torch.Tensor
 
     Args:
         contexts: What the call's ``context_fn`` returned.
-        offload: Called with each tensor to offload (a detached alias of the op's output);
+        offload: Called with each tensor to offload (a detached alias of the op's output),
+            and, where that output shares the memory of one of the op's tensor arguments (a
+            view op's), with that argument as a second one (the alias has no ``_base``);
             returns the stored entry.
 
     Returns:

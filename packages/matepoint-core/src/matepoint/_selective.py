@@ -13,6 +13,11 @@ Note [Offloading what a selective policy saves]
             dedupe, stash, look-ahead, bytes in flight, version checks, stream ordering), and a
             host copy lives as long as torch's storage entry: until the recomputation consumes
             it, or the graph dies.
+    Rule 4. torch stores a detached alias of each output, made below autograd: a view of a
+            parameter (``weight.t()``, a slice) has lost its ``_base`` there. So the op's
+            argument whose memory the output shares comes with it as its ``base``, and the keep
+            rules see through to it: a view of a parameter stays on the device, counted as a
+            parameter, as a checkpoint input that is one does.
     Example: a block's offloaded output that is also the next checkpoint's input (same memory
     and version) is one record (rule 3, dedupe): it crosses the link once.
     How torch's private modes are reached: Note [Selective checkpointing's storage] in
@@ -76,10 +81,10 @@ def offload_policy_outputs(
         A ``context_fn`` to give torch's checkpoint instead.
     """
 
-    def offload(tensor: torch.Tensor) -> _OffloadedOutput:
+    def offload(tensor: torch.Tensor, base: torch.Tensor | None = None) -> _OffloadedOutput:
         # Pack hooks run under no-grad; so does this, from inside the forward.
         with torch.no_grad():
-            saved = pack(tensor, options)
+            saved = pack(tensor, options, base)  # See the Note's rule 4.
         if isinstance(saved, Record) and saved.packs == 1:
             # A new record (a shared one has packs > 1): count it as the policy's.
             with saved.owner.lock:

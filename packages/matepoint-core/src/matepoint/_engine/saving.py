@@ -62,6 +62,7 @@ def stay_reason(
     channel_key: Callable[[torch.Tensor], Hashable | None],
     *,
     traced_nbytes: int | None = None,
+    base: torch.Tensor | None = None,
 ) -> KeepReason | None:
     """Why a saved input stays where it is, by every rule; None if it moves.
 
@@ -81,12 +82,14 @@ def stay_reason(
             tensor the graph computes): its bytes (the traced example's, with dynamic shapes).
             The type and parameter rules are then the graph's: AOTAutograd has flattened tensor
             subclasses, and parameters are graph inputs, which the compiled path never moves.
+        base: The tensor whose memory ``tensor`` shares, where ``tensor`` itself does not say
+            (a selective policy's output is a detached alias, with no ``_base``: See Note
+            [Offloading what a selective policy saves], rule 4), or None.
     """
     if traced_nbytes is None:
         if type(tensor) is not torch.Tensor:  # parameters, subclasses (DTensor, fake tensors)
             return "parameter" if isinstance(tensor, torch.nn.Parameter) else "other"
-        # See Note [Private tensor attributes read directly] in matepoint_compat.
-        if tensor._is_view() and isinstance(tensor._base, torch.nn.Parameter):
+        if _is_parameter_memory(tensor) or (base is not None and _is_parameter_memory(base)):
             return "parameter"
     # Conj and neg views carry a lazy bit that a non-blocking device-to-host copy does not honour
     # (pytorch/pytorch#146286), and a copy into a plain host view would drop the bit. Nested
@@ -110,6 +113,13 @@ def stay_reason(
     if channel_key(tensor) is None or not tensor.permute(by_stride).is_contiguous():
         return "other"
     return None
+
+
+def _is_parameter_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter or a view of one (torch's ``_base`` is the root)."""
+    # See Note [Private tensor attributes read directly] in matepoint_compat.
+    base = tensor._base if tensor._is_view() else tensor
+    return isinstance(base, torch.nn.Parameter)
 
 
 def count_kept(counters: Counters, reason: KeepReason) -> None:
@@ -142,20 +152,24 @@ class KeptTensor:
         return tensor
 
 
-def pack(tensor: torch.Tensor, options: ResolvedOptions) -> Record | KeptTensor:
+def pack(
+    tensor: torch.Tensor, options: ResolvedOptions, base: torch.Tensor | None = None
+) -> Record | KeptTensor:
     """Decide where a saved checkpoint input lives until backward; start its copy if it moves.
 
     Args:
         tensor: A tensor torch's checkpoint saves for recomputation.
         options: The call's resolved options (``pipelined``: copy on the side stream, or
             synchronously on the compute stream).
+        base: The tensor whose memory ``tensor`` shares where ``tensor`` does not say (see
+            :func:`stay_reason`), or None. Default: None.
 
     Returns:
         The object autograd keeps in place of the tensor.
     """
     plan = planning()  # See Note [Planning scope] in matepoint._engine.planning_scope.
     active = transport() if plan is None else plan.engine.transport
-    reason = stay_reason(tensor, options.min_offload_bytes, active.channel_key)
+    reason = stay_reason(tensor, options.min_offload_bytes, active.channel_key, base=base)
     if reason is None:
         engine = engine_of(tensor, active) if plan is None else plan.engine
         record = engine.offload(tensor, options)
