@@ -307,3 +307,16 @@ def test_the_base_host_cost_may_be_zero_but_not_negative() -> None:
     assert DeviceModel(host_seconds_per_op=0).host_seconds_per_op == 0
     with pytest.raises(ValueError, match="host_seconds_per_op"):
         DeviceModel(host_seconds_per_op=-1e-6)
+
+
+def test_calibration_measures_an_ops_host_cost_and_the_policys_on_top(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The small ops run on the CPU here: the host cost of each, and the policy's above it."""
+    ones = torch.ones
+    monkeypatch.setattr(torch, "ones", lambda *size, device=None: ones(*size))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    host, policy = time_model._host_seconds_per_op()
+    assert 0 < host < 1e-2
+    assert policy >= 0
+    assert DeviceModel(host_seconds_per_op=host, policy_seconds_per_op=policy)

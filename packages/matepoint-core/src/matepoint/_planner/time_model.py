@@ -9,9 +9,9 @@ disk.
 
 The default :class:`~matepoint.DeviceModel` holds an H200's published peak and the link
 bandwidth measured on one H200 host. Real matrix rates are lower than the peak, hosts differ in
-their link, and the host time a selective-checkpoint policy adds per op depends on the CPU. A
-calibration measures the four on the device itself in a second or two, and caches them per
-device name and torch release, so the next plan on that machine reads them back.
+their link, and the host time of an op, and what a selective-checkpoint policy adds to it,
+depend on the CPU. A calibration measures the five on the device itself in a second or two, and
+caches them per device name and torch release, so the next plan on that machine reads them back.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ DEFAULT_PEAK_FLOPS = 989e12
 # region through a Python mode); docs/budget.md has the measurements behind it.
 DEFAULT_POLICY_SECONDS_PER_OP = 10e-6
 # Host seconds an eager op costs with no policy (Python, dispatch, the kernel's launch): what the
-# device's work must outlast for a step to be bound by the device, not the host. Not measured
-# yet, by calibrate() or here: 0 leaves the host's time to the policy's cost alone.
+# device's work must outlast for a step to be bound by the device, not the host. calibrate()
+# measures it; without a calibration, 0 leaves the host's time to the policy's cost alone.
 DEFAULT_HOST_SECONDS_PER_OP = 0.0
 
 
@@ -80,8 +80,8 @@ class DeviceModel:
             recomputation). On an H200 host with torch 2.11, torch's own selective peers were
             slower than plain checkpointing on a 16-block stack of width 2048 for this reason.
         host_seconds_per_op: Host time every op of the step costs without a policy (Python,
-            dispatch, the kernel's launch). Default 0: not measured yet, and
-            :func:`calibrate` leaves it at 0.
+            dispatch, the kernel's launch), as :func:`calibrate` measures it on a small op.
+            Default 0: without a calibration, the host's time is the policy's alone.
     """
 
     peak_flops: float = DEFAULT_PEAK_FLOPS
@@ -188,10 +188,9 @@ def _seconds(device: torch.device, work: Callable[[], object]) -> float:
     return statistics.median(times)
 
 
-def _policy_seconds_per_op() -> float:
-    """Host time torch's selective-checkpoint mode adds to one small op (forward mode)."""
-    if not compat.TORCH_2_5_PLUS:  # no selective checkpointing, nothing to charge
-        return 0.0
+def _host_seconds_per_op() -> tuple[float, float]:
+    """Host time of one small op, and what torch's selective-checkpoint mode adds to it (forward
+    mode): ``host_seconds_per_op`` and ``policy_seconds_per_op``."""
     x = torch.ones(8, device="cuda")
     ops = 200
 
@@ -205,15 +204,19 @@ def _policy_seconds_per_op() -> float:
     # The fastest of a few runs each (a fresh forward mode for each); the first plain run also
     # warms up.
     plain = min(run(contextlib.nullcontext()) for _ in range(6))
+    if not compat.TORCH_2_5_PLUS:  # no selective checkpointing, no policy to charge
+        torch.cuda.synchronize()
+        return plain / ops, 0.0
     create_contexts: Any = torch_checkpoint.create_selective_checkpoint_contexts
     recompute = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
     with_policy = min(run(create_contexts(lambda *_, **__: recompute)[0]) for _ in range(5))
     torch.cuda.synchronize()
-    return max(0.0, (with_policy - plain) / ops)
+    return plain / ops, max(0.0, (with_policy - plain) / ops)
 
 
 def _measure(device: torch.device) -> DeviceModel:
-    """Measure matrix rate, memory bandwidth, the link each way and the policy's cost."""
+    """Measure matrix rate, the link each way, and the host's cost per op with and without a
+    policy."""
     with torch.cuda.device(device):
         a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
         matmul = _seconds(device, lambda: a @ a)
@@ -221,11 +224,13 @@ def _measure(device: torch.device) -> DeviceModel:
         pinned = compat.allocate_pinned(source.numel())
         to_host = _seconds(device, lambda: pinned.copy_(source, non_blocking=True))
         to_device = _seconds(device, lambda: source.copy_(pinned, non_blocking=True))
+        host, policy = _host_seconds_per_op()
         return DeviceModel(
             peak_flops=2 * a.shape[0] ** 3 / matmul,
             to_host_bandwidth=source.numel() / to_host,
             to_device_bandwidth=source.numel() / to_device,
-            policy_seconds_per_op=_policy_seconds_per_op(),
+            policy_seconds_per_op=policy,
+            host_seconds_per_op=host,
         )
 
 
