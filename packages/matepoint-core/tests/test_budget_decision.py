@@ -203,7 +203,8 @@ def test_inputs_are_held_on_the_device_where_that_fits_and_is_no_slower(
 def test_a_policy_is_kept_only_where_it_is_faster_with_its_host_cost(
     with_policy: float, expected: bool
 ) -> None:
-    assert decision.policy_pays(with_policy, 1.0) is expected
+    # The step without a policy first: a tie goes to it.
+    assert decision.fastest([_outcome(1.0), _outcome(with_policy)]) == int(expected)
 
 
 # --- Note [The budget search], rule 9: the fastest candidate that fits -------------------------

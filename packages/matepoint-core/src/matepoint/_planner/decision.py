@@ -28,7 +28,6 @@ __all__ = [
     "kind_choice",
     "kind_tries",
     "kinds_to_try",
-    "policy_pays",
     "region_counts",
     "starts_without_look_ahead",
     "surely_fits_kept",
@@ -201,13 +200,7 @@ def holds_inputs_on_device(held: Outcome, offloading_seconds: float) -> bool:
 def fastest(outcomes: Sequence[Outcome]) -> int | None:
     """Which candidate the search returns, by index in ``outcomes``: the fastest that fits, the
     first of those tied; None where none fits. Each outcome's time counts its policy's host
-    cost. See Note [The budget search], rule 9."""
+    cost, and the step without a policy comes first, so that a policy is kept only where it is
+    faster with that cost. See Note [The budget search], rules 7 and 9."""
     fitting = [index for index, outcome in enumerate(outcomes) if outcome.fits]
     return min(fitting, key=lambda index: outcomes[index].seconds, default=None)
-
-
-def policy_pays(seconds_with_policy: float, seconds_without_policy: float) -> bool:
-    """Whether a policy pays for its host cost: the best step with it, that cost counted, is
-    faster than the best step without one (a tie goes to no policy). See Note [The budget
-    search], rule 7."""
-    return seconds_with_policy < seconds_without_policy
