@@ -72,6 +72,37 @@ def test_3_each_calls_own_offload_options_are_planned() -> None:
     assert replanned.bytes_to_host == budget.strategy_plan.bytes_to_host
 
 
+class SeesTheSettings(nn.Module):
+    """Blocks that record the process's settings in force each time their step runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.seen: list[matepoint.OffloadSettings] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(matepoint.get_options())
+        for block in self.blocks:
+            x = matepoint.checkpoint(block, x)
+        return x
+
+
+def test_3_a_search_never_changes_the_process_settings() -> None:
+    """The candidates are the planned steps' own settings: code running during the search (here
+    the model itself, as another thread would) sees the process's settings, never a
+    candidate's, and the search still plans under its candidates."""
+    with torch.device("meta"):
+        stack = SeesTheSettings()
+        x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
+    with matepoint.options(prefetch=3, stash_bytes=0):
+        process = matepoint.get_options()
+        memory_plan = matepoint.plan(stack, x)
+        budget = memory_plan.fastest_under(memory_plan["torch"].peak_bytes, device=FREE_LINK)
+        assert len(stack.seen) > 3  # the three strategies, then the search's steps
+        assert set(stack.seen) == {process}
+    assert budget.settings.prefetch <= 3
+
+
 @pytest.mark.skipif(not OFFLOAD_AVAILABLE, reason="no selective offload values before 2.11")
 def test_4_a_plan_whose_pool_would_raise_does_not_fit() -> None:
     """A pool capped at what every block pins, raising past it: offloading more cannot fit."""

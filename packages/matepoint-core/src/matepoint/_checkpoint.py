@@ -261,18 +261,17 @@ def _checkpoint(
             function, args, kwargs, use_reentrant=use_reentrant, pipeline=pipeline, offload=offload
         )
     reentrant = True if use_reentrant is None else bool(use_reentrant)
-    options = resolve(offload, pipeline)
+    plan = planning()  # See Note [Planning scope] in matepoint._engine.planning_scope.
+    options = resolve(offload, pipeline) if plan is None else plan.options_for(offload, pipeline)
     # What is left in kwargs is the function's keyword arguments.
     checkpoint_options = {
         name: kwargs.pop(name) for name in list(kwargs) if name in _CHECKPOINT_OPTION_NAMES
     }
     if kwargs:
         check_misplaced_settings(kwargs, function)
-    plan = planning()
-    if plan is not None:  # See Note [Planning scope] in matepoint._engine.planning_scope.
+    if plan is not None:
         if plan.strategy == "none":
             return function(*args, **kwargs)
-        options = plan.options_for(options)
         if plan.context_fn is not None and not reentrant:
             checkpoint_options["context_fn"] = plan.context_fn
     adapted = compat.adapt_checkpoint_kwargs(checkpoint_options, use_reentrant=reentrant)

@@ -33,6 +33,7 @@ __all__ = [
     "get_options",
     "options",
     "resolve",
+    "resolve_over",
 ]
 
 PoolExhaustedPolicy = Literal["pageable", "raise"]
@@ -405,27 +406,56 @@ def resolve(call: OffloadOptions | bool | None, pipeline: bool = True) -> Resolv
             or a ``pipeline=`` that is not a bool.
     """
     global _last
-    if pipeline is not True and pipeline is not False:
-        raise TypeError(f"checkpoint() pipeline= must be True or False, got {pipeline!r}")
-    given: object = call  # as the caller passed it, unchecked
-    if given is not None and not isinstance(given, (bool, OffloadOptions)):
-        raise TypeError(
-            "checkpoint() offload= must be an OffloadOptions, True, False or None, got "
-            f"{type(given).__name__}; device settings are set with matepoint.configure(...) or "
-            "matepoint.options(...)"
-        )
+    _check_call(call, pipeline)
     if call is False or (isinstance(call, OffloadOptions) and not call.enabled):
         return None
     key = (_defaults, call, pipeline, compat.legacy_pipeline_disabled())
     last = _last
     if last is not None and last[0] == key:
         return last[1]
-    fields = dataclasses.asdict(_defaults)
+    resolved = _resolved(_defaults, call, pipeline, key[3])
+    _last = (key, resolved)
+    return resolved
+
+
+def resolve_over(
+    settings: OffloadSettings, call: OffloadOptions | bool | None, pipeline: bool = True
+) -> ResolvedOptions | None:
+    """What one checkpoint call would do with ``settings`` in force instead of the process's.
+
+    :func:`resolve` with other settings under the call's choices, uncached: the planner plans a
+    step under candidate settings without changing the process's (Note [Settings a search
+    plans under] in ``matepoint._planner.memory_plan``).
+    """
+    _check_call(call, pipeline)
+    if call is False or (isinstance(call, OffloadOptions) and not call.enabled):
+        return None
+    return _resolved(settings, call, pipeline, compat.legacy_pipeline_disabled())
+
+
+def _check_call(call: object, pipeline: object) -> None:
+    """Refuse a ``pipeline=`` or an ``offload=`` of the wrong type, naming what each takes."""
+    if pipeline is not True and pipeline is not False:
+        raise TypeError(f"checkpoint() pipeline= must be True or False, got {pipeline!r}")
+    if call is not None and not isinstance(call, (bool, OffloadOptions)):
+        raise TypeError(
+            "checkpoint() offload= must be an OffloadOptions, True, False or None, got "
+            f"{type(call).__name__}; device settings are set with matepoint.configure(...) or "
+            "matepoint.options(...)"
+        )
+
+
+def _resolved(
+    settings: OffloadSettings,
+    call: OffloadOptions | bool | None,
+    pipeline: bool,
+    legacy_pipeline_disabled: bool,
+) -> ResolvedOptions:
+    """The call's choices over ``settings``: the resolution :func:`resolve` caches."""
+    fields = dataclasses.asdict(settings)
     if isinstance(call, OffloadOptions):
         fields.update(call.deprecated_settings)
         own = {"pipeline": call.pipeline, "min_offload_bytes": call.min_offload_bytes}
         fields.update((name, value) for name, value in own.items() if value is not None)
-    fields["pipelined"] = pipeline and fields["pipeline"] and not key[3]
-    resolved = ResolvedOptions(**fields)
-    _last = (key, resolved)
-    return resolved
+    fields["pipelined"] = pipeline and fields["pipeline"] and not legacy_pipeline_disabled
+    return ResolvedOptions(**fields)

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from matepoint._engine.channel_engine import ChannelEngine
-from matepoint._options import ResolvedOptions
+from matepoint._options import OffloadOptions, ResolvedOptions
 
 __all__ = ["Planning", "planning", "planning_scope"]
 
@@ -40,8 +40,10 @@ class Planning(Protocol):
     # plan's candidate selective-checkpoint policy, or its per-region profiler.
     context_fn: Callable[[], Any] | None
 
-    def options_for(self, call: ResolvedOptions | None) -> ResolvedOptions | None:
-        """Return the options a checkpoint call runs with in the plan (None: no offloading)."""
+    def options_for(
+        self, offload: OffloadOptions | bool | None, pipeline: bool
+    ) -> ResolvedOptions | None:
+        """Return the options a call with these choices runs with in the plan (None: none)."""
 
     def saved(self, tensor: torch.Tensor, fate: str) -> None:
         """Hear what became of a saved input: offloaded, shared, or a ``KeepReason``."""

@@ -22,11 +22,9 @@ from typing import Any
 import torch
 
 from matepoint._options import OffloadOptions, OffloadSettings, get_options, resolve
-from matepoint._options import options as settings_in_force
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.recommend import Recommendation, recommend
 from matepoint._planner.search import fastest_under
-from matepoint._planner.step import _STEP_LOCK as STEP_LOCK
 from matepoint._planner.step import Planned, SavedInput, StrategyPlan, TimelinePoint, run_step
 from matepoint._planner.time_model import DEFAULT_LINK_BANDWIDTH, DEFAULT_PEAK_FLOPS, DeviceModel
 
@@ -49,11 +47,9 @@ def _gib(value: int) -> str:
 #         planned step as in the real one.
 #     Rule 2. A plan made with ``options=`` re-plans with the candidate settings for every call
 #         instead of its own, as that plan did.
-#     Rule 3. The settings in force are process-wide (Note [Settings layers] in
-#         ``matepoint._options``): rule 1's settings are laid over them only while the lock of
-#         every planned step is held (Note [Planned steps one at a time] in
-#         ``matepoint._planner.step``), so no step planned from another thread sees them; a
-#         thread that offloads for real while a search plans sees them for that moment.
+#     Rule 3. The candidate settings are the planned step's own (``run_step``'s ``in_force``):
+#         the process's settings never change, so no other thread, planning or offloading for
+#         real, sees them.
 #     Example: every call passes ``offload=OffloadOptions(min_offload_bytes=1 << 40)``: whatever
 #     ``min_offload_bytes`` the search tries, its planned steps move no checkpoint input, as the
 #     real steps will not.
@@ -66,8 +62,7 @@ def _planned_in_force(
 ) -> Planned:
     """Plan the step with ``settings`` in force and each call's own options over them (Note
     [Settings a search plans under], rules 1 and 3)."""
-    with STEP_LOCK, settings_in_force(**dataclasses.asdict(settings)):
-        return replan(None, context_fn=context_fn)
+    return replan(None, context_fn=context_fn, in_force=settings)
 
 
 @dataclasses.dataclass(frozen=True)

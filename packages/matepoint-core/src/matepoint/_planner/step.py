@@ -55,7 +55,13 @@ from matepoint._engine.channel_engine import ChannelEngine
 from matepoint._engine.planning_scope import planning_scope
 from matepoint._engine.saving import KeepReason, count_kept
 from matepoint._engine.transport import Channel
-from matepoint._options import OffloadSettings, ResolvedOptions
+from matepoint._options import (
+    OffloadOptions,
+    OffloadSettings,
+    ResolvedOptions,
+    get_options,
+    resolve_over,
+)
 from matepoint._planner.kernels import CudaKernels
 from matepoint._planner.time_model import compute_seconds, link_seconds
 from matepoint._planner.trace import PHASES, MemoryTracker
@@ -245,9 +251,14 @@ class PlannedStep:
     """
 
     def __init__(
-        self, strategy: str, options: OffloadSettings | None, context_fn: Callable[[], Any] | None
+        self,
+        strategy: str,
+        options: OffloadSettings | None,
+        context_fn: Callable[[], Any] | None,
+        in_force: OffloadSettings | None = None,
     ) -> None:
         self.strategy = strategy
+        self._in_force = in_force
         self.context_fn = context_fn
         self.tracker = MemoryTracker(self._host)
         channel = MetaChannel(self.tracker)
@@ -258,7 +269,14 @@ class PlannedStep:
         self.raise_policy = False
         self.peak_pageable_bytes = 0
 
-    def options_for(self, call: ResolvedOptions | None) -> ResolvedOptions | None:
+    def options_for(
+        self, offload: OffloadOptions | bool | None, pipeline: bool
+    ) -> ResolvedOptions | None:
+        # The call's own choices over the settings the plan runs under: a search's candidate
+        # (Note [Settings a search plans under] in matepoint._planner.memory_plan), else the
+        # process's.
+        in_force = self._in_force if self._in_force is not None else get_options()
+        call = resolve_over(in_force, offload, pipeline)
         if call is None or self.strategy != "matepoint":
             return None
         call = dataclasses.replace(call, **self._override)
@@ -333,25 +351,25 @@ def run_step(
     strategy: str,
     options: OffloadSettings | None,
     context_fn: Callable[[], Any] | None = None,
+    in_force: OffloadSettings | None = None,
 ) -> Planned:
     """Run forward and backward of ``fn`` once under ``strategy`` and report its memory.
 
     Args:
-        fn: The model or function; its tensors must be on the meta device.
-        args: Its positional arguments.
-        kwargs: Its keyword arguments.
-        loss_fn: Turns the output into the loss; None sums it.
+        fn: The model or function, its tensors on the meta device; ``args``, ``kwargs``: its
+            arguments; ``loss_fn``: turns the output into the loss (None sums it).
         link_bandwidth: Bytes per second each way, for the link times.
         peak_flops: FLOP/s, for the compute times.
         strategy: ``"none"``, ``"torch"`` or ``"matepoint"``.
         options: Settings every offloading checkpoint uses instead of its own, or None.
         context_fn: A ``context_fn`` for every non-reentrant checkpoint call instead of its
             own (a budget plan's selective-checkpoint policy), or None. Default: None.
+        in_force: The settings each call's own choices are laid over, instead of the process's.
 
     Returns:
         The step's plan, and every checkpoint input matepoint saw, in order.
     """
-    planned = PlannedStep(strategy, options, context_fn)
+    planned = PlannedStep(strategy, options, context_fn, in_force)
     tracker, engine = planned.tracker, planned.engine
     with (
         _STEP_LOCK,  # See Note [Planned steps one at a time], rule 2.
