@@ -26,6 +26,7 @@ _GIB = float(1 << 30)
 # caching allocator reserves beyond it (docs/budget.md, "What the planned numbers are", has a
 # plan within its budget that ran out of memory under a cap of that size).
 _NEAR_BUDGET = 0.9
+_DEFAULT_STASH_BYTES = OffloadSettings().stash_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +48,9 @@ class BudgetPlan:
             regions]); elsewhere they do what ``decisions`` says.
         regions: The checkpoint calls of the planned step.
         settings: Every offload setting the step was planned under, the look-ahead
-            (``prefetch``) and ``min_offload_bytes`` the search chose among them; applying all
-            of them (:meth:`settings_changes`) reproduces the planned step.
+            (``prefetch``), ``min_offload_bytes`` and ``stash_bytes`` the search chose among
+            them (Note [The stash] in ``matepoint._planner.search``); applying all of them
+            (:meth:`settings_changes`) reproduces the planned step.
         peak_bytes: The chosen step's planned peak device memory.
         pinned_bytes_per_node: Pinned host RAM of one rank's pool times ``ranks_per_node``
             (the pool's exact-size blocks, so no rounding beyond what the pool holds).
@@ -63,6 +65,10 @@ class BudgetPlan:
         checkpoint: False where the step without any checkpoint fits and is estimated fastest
             (Note [The budget search], rule 10): train without checkpointing; ``decisions``
             is then empty and ``strategy_plan`` is that step's.
+        batch_fraction: Where nothing fits, the share of the example batch that would, the
+            activation memory of the least peak planned taken as proportional to the batch (0:
+            parameters and gradients alone exceed the budget; None: no activation memory);
+            None where the plan fits.
     """
 
     budget_bytes: int
@@ -82,6 +88,7 @@ class BudgetPlan:
     strategy_plan: StrategyPlan = dataclasses.field(repr=False, compare=False)
     measured_seconds: tuple[float, ...] = ()
     checkpoint: bool = True
+    batch_fraction: float | None = None
 
     def policy(self, region: int = 0) -> Callable[..., Any]:
         """A selective-checkpoint policy for one checkpoint call: ``policy(ctx, op, *args)``.
@@ -137,6 +144,13 @@ class BudgetPlan:
         return self.settings.prefetch
 
     @property
+    def stash_bytes(self) -> int:
+        """The stash chosen (``OffloadSettings.stash_bytes``): bytes of the newest offloaded
+        inputs kept on the device, their copies back spared (Note [The stash] in
+        ``matepoint._planner.search``)."""
+        return self.settings.stash_bytes
+
+    @property
     def min_offload_bytes(self) -> int:
         """The smallest checkpoint input offloaded (``OffloadSettings.min_offload_bytes``):
         above every input when the budget holds them all on the device, as torch's checkpoint
@@ -160,6 +174,11 @@ class BudgetPlan:
             self._estimate_line(),
             f"  look-ahead (prefetch) {self.prefetch}",
         ]
+        if self.stash_bytes != _DEFAULT_STASH_BYTES:
+            lines.append(
+                f"  stash (stash_bytes={self.stash_bytes}): the newest offloaded inputs, "
+                f"{self.stash_bytes / _GIB:.2f} GiB, stay on the device and are not copied back"
+            )
         if not self.checkpoint:
             lines.append(
                 f"  no checkpoint needed: the step without any checkpoint peaks at "
@@ -177,6 +196,15 @@ class BudgetPlan:
             lines.append(
                 f"  the smallest budget that fits: {self.smallest_budget_bytes / _GIB:.2f} GiB"
             )
+            if self.batch_fraction == 0:
+                lines.append(
+                    "  parameters and gradients alone exceed the budget, whatever the batch"
+                )
+            elif self.batch_fraction is not None:
+                lines.append(
+                    f"  about {self.batch_fraction:.2f}x the example batch would fit "
+                    "(activations taken as proportional to the batch)"
+                )
         elif self.peak_bytes > _NEAR_BUDGET * self.budget_bytes:
             lines.append(
                 f"  the peak is within {1 - _NEAR_BUDGET:.0%} of the budget, which bounds "

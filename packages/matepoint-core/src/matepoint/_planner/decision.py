@@ -10,7 +10,9 @@ plain lists.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import bisect
+from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
 from typing import NamedTuple
 
 from matepoint._planner.policy import Decision
@@ -18,6 +20,7 @@ from matepoint._planner.trace import ALLOCATION_GRANULARITY
 
 __all__ = [
     "Outcome",
+    "batch_fraction",
     "cannot_fit_kept",
     "fastest",
     "fits",
@@ -28,8 +31,11 @@ __all__ = [
     "kind_choice",
     "kind_tries",
     "kinds_to_try",
+    "largest_stash",
     "region_counts",
     "starts_without_look_ahead",
+    "stash_levels",
+    "stash_pays",
     "surely_fits_kept",
     "tries_inputs_on_device",
 ]
@@ -204,3 +210,46 @@ def fastest(outcomes: Sequence[Outcome]) -> int | None:
     faster with that cost. See Note [The budget search], rules 7 and 9."""
     fitting = [index for index, outcome in enumerate(outcomes) if outcome.fits]
     return min(fitting, key=lambda index: outcomes[index].seconds, default=None)
+
+
+def stash_levels(offloaded_bytes: Sequence[int]) -> list[int]:
+    """The ``stash_bytes`` worth planning, smallest first, given the bytes of each checkpoint
+    input a step offloads, in order: 0, then the newest inputs' bytes added up, newest first.
+
+    The newest input is always held until backward reads it, so the stash counts the ones
+    before it; a value between two levels holds as many inputs as the lower one. See Note
+    [The stash], rule 2 (in ``matepoint._planner.search``).
+    """
+    return [0, *accumulate(reversed(offloaded_bytes[:-1]))]
+
+
+def largest_stash(levels: Sequence[int], fits: Callable[[int], bool]) -> int:
+    """The largest of ``levels`` with which the step ``fits``, by binary search.
+
+    A larger stash holds more inputs on the device, so a step's peak grows with it: ``fits``
+    is true up to some level and false above. ``levels[0]`` is taken to fit (it is not asked).
+    See Note [The stash], rule 2.
+    """
+    index = bisect.bisect_right(levels, False, lo=1, key=lambda level: not fits(level))
+    return levels[index - 1]
+
+
+def stash_pays(seconds: float, seconds_without_copies_back: float) -> bool:
+    """Whether a step's copies back cost it time: the time model estimates it faster without
+    them, so the link is its limit, and a stash, which spares copies back, can speed it. See
+    Note [The stash], rule 1."""
+    return seconds_without_copies_back < seconds
+
+
+def batch_fraction(budget_bytes: int, least_peak_bytes: int, fixed_bytes: int) -> float | None:
+    """The share of the example batch that would fit ``budget_bytes``, where nothing does.
+
+    Activation memory (the least peak planned less ``fixed_bytes``, the parameters and their
+    gradients, which a smaller batch does not shrink) is taken as proportional to the batch.
+    0 where the fixed bytes alone exceed the budget; None where the step has no activation
+    memory to shrink.
+    """
+    activations = least_peak_bytes - fixed_bytes
+    if activations <= 0:
+        return None
+    return max(0.0, (budget_bytes - fixed_bytes) / activations)

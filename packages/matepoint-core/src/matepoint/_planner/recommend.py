@@ -2,19 +2,21 @@
 
 Three settings trade device memory against link traffic: ``min_offload_bytes``, ``stash_bytes``
 and ``prefetch``; the search re-plans the step on the meta device for each candidate (see
-:class:`Recommendation`).
+:class:`Recommendation`). This is the options-only search, kept for its API: the budget search
+(``MemoryPlan.fastest_under``) is the one answer to a budget, and chooses the look-ahead, the
+inputs held, the stash (with the same rule as here, ``matepoint._planner.decision.
+largest_stash``) and the batch share that would fit as well as keep, offload or recompute.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import sys
 from collections.abc import Callable
-from functools import cache, partial
-from itertools import accumulate
+from functools import cache
 
 from matepoint._options import OffloadSettings
+from matepoint._planner import decision
 from matepoint._planner.step import Planned, SavedInput, StrategyPlan
 
 __all__ = ["Recommendation", "recommend"]
@@ -150,8 +152,7 @@ def recommend(
         if frugal.peak_bytes <= budget_bytes:
             break
     else:
-        activations = frugal.peak_bytes - fixed
-        fraction = max(0.0, (budget_bytes - fixed) / activations) if activations > 0 else None
+        fraction = decision.batch_fraction(budget_bytes, frugal.peak_bytes, fixed)
         runs = evaluate.cache_info().misses
         return Recommendation(
             budget_bytes, False, None, frugal, frugal.peak_bytes, fixed, fraction, runs
@@ -163,12 +164,11 @@ def recommend(
         first, saves = evaluate(options(planned, 0, prefetch))
         if first.peak_bytes > budget_bytes:
             break  # larger thresholds keep more on the device
-        offloaded = [save.nbytes for save in saves if save.fate == "offloaded"]
-        # The newest input is always held; the stash counts the ones before it, newest first.
-        levels = [0, *accumulate(reversed(offloaded[:-1]))]
+        levels = decision.stash_levels([s.nbytes for s in saves if s.fate == "offloaded"])
         # The largest stash that fits: peaks grow with the stash, and the first level fits.
-        fitting = bisect.bisect_right(levels, budget_bytes, lo=1, key=partial(peak, planned))
-        stash = levels[fitting - 1]
+        stash = decision.largest_stash(
+            levels, lambda level, at=planned: peak(at, level) <= budget_bytes
+        )
         candidates.append(
             (evaluate(options(planned, stash, prefetch))[0], options(threshold, stash, prefetch))
         )

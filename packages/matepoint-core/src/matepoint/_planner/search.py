@@ -82,6 +82,21 @@ Note [Steps the search spares]
         step fits and is faster it is taken; where it is not, the search goes on kind by kind.
     Rule 3. Neither bound decides on its own that a plan fits: only planned steps do.
 
+Note [The stash]
+    ``stash_bytes`` keeps the newest offloaded inputs on the device: their copy to the host
+    still happens, their copy back does not. It trades device memory for copies back.
+    Rule 1. The stash is chosen last, over the plan the search returns (Note [The budget
+        search], rule 9), keeping every other choice: it is tried only where that step's copies
+        back cost it time (the time model estimates it faster without them: the link is its
+        limit) and the step fits; elsewhere the settings' stash stays.
+    Rule 2. The stash taken is the largest that still fits, by binary search over the newest
+        inputs the step offloads (``decision.stash_levels``, ``decision.largest_stash``, the
+        rule ``MemoryPlan.recommend`` uses too), above the settings' own; it is taken where the
+        step gets faster.
+    Example: matepoint on every block, prefetch 0, a budget with room for three block inputs
+    beyond the step's peak: the plan stashes the newest three (``stash_bytes`` their bytes),
+    and its copies back are three fewer.
+
 Note [Measured finalists]
     Rule 1. The time model's least certain term is the policy's host cost: how much of it the
         device's work hides depends on the host's speed and the model's op sizes
@@ -109,7 +124,7 @@ from matepoint._planner import decision
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.op_kinds import KindProfile, RegionProfiler
 from matepoint._planner.policy import AVAILABLE, OFFLOAD_AVAILABLE, Decision, context_fn_of
-from matepoint._planner.step import Planned, StrategyPlan
+from matepoint._planner.step import Planned, SavedInput, StrategyPlan
 from matepoint._planner.time_model import DeviceModel, step_seconds
 
 __all__ = ["fastest_under"]
@@ -120,12 +135,14 @@ _REGION_TRIES = 2
 
 
 class _Trial(NamedTuple):
-    """One planned candidate: its step, its settings, its estimated time and whether it fits."""
+    """One planned candidate: its step, its settings, its estimated time, whether it fits, and
+    the checkpoint inputs it saved (Note [The stash] reads which it offloads)."""
 
     plan: StrategyPlan
     settings: OffloadSettings
     seconds: float
     fits: bool
+    saves: tuple[SavedInput, ...] = ()
 
     @property
     def outcome(self) -> decision.Outcome:
@@ -172,11 +189,21 @@ def _timed(
     budget: _Budget,
     host_ops: int,
     policy_ops: int = 0,
+    saves: tuple[SavedInput, ...] = (),
 ) -> _Trial:
     """``plan`` as a candidate, timed with ``host_ops`` ops on the host, ``policy_ops`` of them
     through a policy (Note [Host and device overlap] in ``matepoint._planner.time_model``)."""
     seconds = step_seconds(plan, device, settings.prefetch, policy_ops, host_ops)
-    return _Trial(plan, settings, seconds, budget.fits(plan))
+    return _Trial(plan, settings, seconds, budget.fits(plan), saves)
+
+
+class _Figures(NamedTuple):
+    """A step's figures as the time model reads them (``StepFigures``), to time it otherwise."""
+
+    forward_flops: int
+    backward_flops: int
+    bytes_to_host: int
+    bytes_to_device: int
 
 
 @dataclasses.dataclass
@@ -218,10 +245,10 @@ class _Search:
     ) -> _Trial:
         """Plan one candidate; its time leaves out the policy's host cost unless asked."""
         context_fn = context_fn_of(decisions, kept_in_last, self.regions)
-        planned = self.replan(settings, context_fn=context_fn)[0]
+        planned, saves = self.replan(settings, context_fn=context_fn)
         self.note_peak(planned)
         ops = self.policy_ops if policy_cost and context_fn else 0
-        trial = _timed(planned, settings, self.device, self.budget, self.host_ops, ops)
+        trial = _timed(planned, settings, self.device, self.budget, self.host_ops, ops, saves)
         self.tried.append(_Choice(trial, dict(decisions), dict(kept_in_last)))
         return trial
 
@@ -320,7 +347,7 @@ def _profiled(
 ) -> _Search:
     """Plan the step once with every region profiled (Note [Op kinds]), and start a search."""
     profiler = RegionProfiler()
-    profiled = replan(settings, context_fn=profiler)[0]
+    profiled, saves = replan(settings, context_fn=profiler)
     search = _Search(
         replan=replan,
         device=device,
@@ -330,7 +357,7 @@ def _profiled(
         policy_ops=2 * profiler.ops,
         host_ops=3 * profiler.ops,
         kinds=tuple(profiler.kinds()),
-        every_block=_timed(profiled, settings, device, budget, 3 * profiler.ops),
+        every_block=_timed(profiled, settings, device, budget, 3 * profiler.ops, saves=saves),
         smallest=None,
     )
     search.note_peak(profiled)
@@ -465,7 +492,8 @@ def _conclude(
 
 def _budget_plan(search: _Search, chosen: _Choice, smallest: int | None) -> BudgetPlan:
     """The plan of ``chosen``, its inputs held on the device where that fits and is no slower
-    (Note [The budget search], rule 6); ``smallest`` is the least peak the search planned."""
+    (Note [The budget search], rule 6), then its stash chosen (Note [The stash]); ``smallest``
+    is the least peak the search planned."""
     trial = chosen.trial
     holding = search.holding_min_offload_bytes if chosen.checkpoint else None
     if decision.tries_inputs_on_device(
@@ -476,7 +504,10 @@ def _budget_plan(search: _Search, chosen: _Choice, smallest: int | None) -> Budg
         held = search.attempt(chosen.decisions, chosen.kept_in_last, on_device, policy_cost=True)
         if decision.holds_inputs_on_device(held.outcome, trial.seconds):
             trial = held
+    trial = _with_stash(search, chosen, trial)
     budget = search.budget
+    least = trial.plan.peak_bytes if smallest is None else smallest
+    fixed = 2 * trial.plan.parameter_bytes  # parameters and gradients: no batch shrinks them
     return BudgetPlan(
         budget_bytes=budget.device_bytes,
         host_budget_bytes=budget.host_bytes,
@@ -491,10 +522,48 @@ def _budget_plan(search: _Search, chosen: _Choice, smallest: int | None) -> Budg
         pinned_bytes_per_node=trial.plan.pinned_bytes * budget.ranks_per_node,
         step_seconds=trial.seconds,
         every_block_seconds=search.every_block.seconds,
-        smallest_budget_bytes=trial.plan.peak_bytes if smallest is None else smallest,
+        smallest_budget_bytes=least,
         kinds=search.kinds,
         strategy_plan=trial.plan,
+        batch_fraction=None
+        if trial.fits
+        else decision.batch_fraction(budget.device_bytes, least, fixed),
     )
+
+
+def _with_stash(search: _Search, chosen: _Choice, trial: _Trial) -> _Trial:
+    """``trial`` with the largest stash that fits, where its copies back cost it time and the
+    stash makes it faster; else ``trial`` itself (Note [The stash])."""
+    if not (chosen.checkpoint and trial.fits):
+        return trial
+    plan, settings = trial.plan, trial.settings
+    policy = bool(chosen.decisions or chosen.kept_in_last)
+    no_copies_back = _Figures(plan.forward_flops, plan.backward_flops, plan.bytes_to_host, 0)
+    seconds = step_seconds(
+        no_copies_back,
+        search.device,
+        settings.prefetch,
+        search.policy_ops if policy else 0,
+        search.host_ops,
+    )
+    if not decision.stash_pays(trial.seconds, seconds):  # rule 1
+        return trial
+    offloaded = [save.nbytes for save in trial.saves if save.fate == "offloaded"]
+    current = settings.stash_bytes
+    levels = [current, *(level for level in decision.stash_levels(offloaded) if level > current)]
+    tried: dict[int, _Trial] = {}
+
+    def fits(level: int) -> bool:
+        stashed = dataclasses.replace(settings, stash_bytes=level)
+        tried[level] = search.attempt(
+            chosen.decisions, chosen.kept_in_last, stashed, policy_cost=True
+        )
+        return tried[level].fits
+
+    stash = decision.largest_stash(levels, fits)  # rule 2
+    if stash == current or not decision.improves(tried[stash].outcome, trial.seconds):
+        return trial
+    return tried[stash]
 
 
 def _measured(
