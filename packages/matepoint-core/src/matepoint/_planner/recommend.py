@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 
 from matepoint._options import OffloadSettings
 from matepoint._planner import decision
@@ -119,6 +119,11 @@ def _threshold_classes(saves: tuple[SavedInput, ...], current: int) -> list[int]
     return classes
 
 
+def _fits(peak: Callable[[int, int], int], min_offload: int, budget_bytes: int, stash: int) -> bool:
+    """Whether the step with ``min_offload`` and ``stash`` peaks within ``budget_bytes``."""
+    return peak(min_offload, stash) <= budget_bytes
+
+
 def recommend(
     base: OffloadSettings, replan: Callable[[OffloadSettings], Planned], budget_bytes: int
 ) -> Recommendation:
@@ -166,9 +171,7 @@ def recommend(
             break  # larger thresholds keep more on the device
         levels = decision.stash_levels([s.nbytes for s in saves if s.fate == "offloaded"])
         # The largest stash that fits: peaks grow with the stash, and the first level fits.
-        stash = decision.largest_stash(
-            levels, lambda level, at=planned: peak(at, level) <= budget_bytes
-        )
+        stash = decision.largest_stash(levels, partial(_fits, peak, planned, budget_bytes))
         candidates.append(
             (evaluate(options(planned, stash, prefetch))[0], options(threshold, stash, prefetch))
         )
