@@ -17,6 +17,10 @@ from matepoint_examples._runtime import format_bytes
 from matepoint_examples._workloads import build, get_workload
 from matepoint_examples.models import GPTConfig, NanoGPT, no_checkpoint
 
+# Budget plans choose through torch's selective checkpointing (2.5); before it, the CLI's one
+# answer to --budget is the options search (``recommendation`` in the report).
+BUDGET_PLANS = hasattr(torch.utils.checkpoint, "CheckpointPolicy")
+
 TINY_LATENT = ["--model", "cpu-small", "--depth", "4", "--width", "64", "--heads", "2"]
 TINY_LATENT += ["--batch", "2", "--seq", "512", "--min-offload", "0"]
 
@@ -43,19 +47,52 @@ def test_budget_that_fits_and_one_that_does_not(
 ) -> None:
     out_json = tmp_path / "plan.json"
     assert plan_cli.main([*TINY_LATENT, "--budget", "1", "--json", str(out_json)]) == 0
-    advice = json.loads(out_json.read_text())["recommendation"]
+    advice = _answer(json.loads(out_json.read_text()))
     assert advice["fits"]
-    assert advice["link_bytes"] == 0  # 1 GiB holds this model with plain checkpointing
-    # Nothing fits: the exit status says so (it was 0).
+    if BUDGET_PLANS:  # 1 GiB holds this model without any checkpoint
+        assert advice["settings"]["stash_bytes"] == 0
+    else:  # 1 GiB holds this model with plain checkpointing
+        assert advice["link_bytes"] == 0
+    # Nothing fits: the exit status says so (it was 0), and so does the share of the batch.
     small = [*TINY_LATENT, "--budget", "0.0005", "--optimizer", "none", "--json", str(out_json)]
     assert plan_cli.main(small) == 1
     report = json.loads(out_json.read_text())
-    advice = report["recommendation"]
+    advice = _answer(report)
     assert not advice["fits"]
     assert not report["fits"]
-    assert advice["options"] is None
-    assert 0 <= advice["largest_batch"] < 2
-    assert "nothing fits" in capsys.readouterr().out
+    assert advice["batch_fraction"] is not None
+    assert 0 <= advice["batch_fraction"] < 1
+    printed = capsys.readouterr().out
+    assert ("does NOT fit" if BUDGET_PLANS else "nothing fits") in printed
+    assert "the example batch would fit" in printed or advice["batch_fraction"] == 0
+
+
+def _answer(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's one answer to --budget: the budget plan, or before torch 2.5 the options."""
+    if BUDGET_PLANS:
+        assert "recommendation" not in report
+        return report["budget_plan"]  # type: ignore[no-any-return]
+    assert "budget_plan" not in report
+    return report["recommendation"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.skipif(not BUDGET_PLANS, reason="torch's selective checkpointing arrived in 2.5")
+def test_a_budget_prints_one_plan_and_no_recommend_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, a budget plan and a recommend line ("step budget ...: fits ... with stash_bytes=")
+    # answered the same budget, and could disagree.
+    out_json = tmp_path / "plan.json"
+    for budget in ("1", "0.0005"):
+        args = [*TINY_LATENT, "--budget", budget, "--optimizer", "none", "--json", str(out_json)]
+        plan_cli.main(args)
+        printed = capsys.readouterr().out
+        assert printed.count("matepoint budget plan:") == 1
+        assert "step budget" not in printed
+        assert "largest batch" not in printed
+        report = json.loads(out_json.read_text())
+        assert "recommendation" not in report
+        assert set(report["budget_plan"]["settings"]) >= {"stash_bytes", "prefetch"}
 
 
 def _meta_state_bytes(args: list[str], states_per_parameter: int) -> int:
@@ -79,9 +116,8 @@ def test_the_optimizer_states_are_counted_against_the_budget(
     tiny = [*TINY_LATENT, "--optimizer", "none", "--budget", "1B", "--json", str(out_json)]
     assert plan_cli.main(tiny) == 1
     report = json.loads(out_json.read_text())
-    smallest = report["recommendation"]["minimum_peak_bytes"]
-    if "budget_plan" in report:
-        smallest = max(smallest, report["budget_plan"]["smallest_budget_bytes"])
+    advice = _answer(report)
+    smallest = advice.get("smallest_budget_bytes", advice.get("minimum_peak_bytes"))
     budget = smallest + adamw // 2
     capsys.readouterr()
     args = [*TINY_LATENT, "--budget", f"{budget}B", "--json", str(out_json)]
@@ -216,13 +252,14 @@ def test_planned_in_is_the_time_all_the_planning_took(
     # batch: "planned in 0.2 s" for a 4.6 s command.
     import matepoint
 
-    recommend = matepoint.MemoryPlan.recommend
+    name = "fastest_under" if BUDGET_PLANS else "recommend"
+    search = getattr(matepoint.MemoryPlan, name)
 
-    def slow_recommend(self: matepoint.MemoryPlan, budget_bytes: int) -> Any:
+    def slow_search(self: matepoint.MemoryPlan, *args: Any, **kwargs: Any) -> Any:
         time.sleep(1.0)
-        return recommend(self, budget_bytes)
+        return search(self, *args, **kwargs)
 
-    monkeypatch.setattr(matepoint.MemoryPlan, "recommend", slow_recommend)
+    monkeypatch.setattr(matepoint.MemoryPlan, name, slow_search)
     out_json = tmp_path / "plan.json"
     started = time.perf_counter()
     plan_cli.main([*TINY_LATENT, "--budget", "1", "--json", str(out_json)])

@@ -3,9 +3,16 @@
 Plans one training step of a benchmark workload with :func:`matepoint.plan` on the meta device
 (no GPU, no memory for the model), under no checkpoint, torch's checkpoint and matepoint, and
 prints a table; ``--json`` and ``--plot`` write the report and a PNG of device and host memory
-over the step. With ``--budget`` it proposes offload options that fit, and if none do, finds the
-largest batch that would. The optimizer's states (``--optimizer``, AdamW by default) stay on the
-device through the step: they are counted, and the step is planned within the budget less them.
+over the step. With ``--budget`` it prints one plan: the fastest step within the budget
+(``MemoryPlan.fastest_under``: keep, offload or recompute per kind of op, look-ahead, inputs held
+and stash), and where nothing fits, the share of the example batch that would. The optimizer's
+states (``--optimizer``, AdamW by default) stay on the device through the step: they are
+counted, and the step is planned within the budget less them.
+
+The ``--json`` report gives that plan as ``budget_plan`` (its ``settings`` every setting it was
+planned under, ``stash_bytes`` included, and ``batch_fraction``). The ``recommendation`` key of
+earlier versions (``MemoryPlan.recommend``'s options-only answer) is written only where torch has
+no selective checkpointing (before 2.5), which budget plans need: there it is the one answer.
 
 Run ``matepoint-plan --model deep96`` or ``python -m matepoint_examples.plan --help``. The exit
 status is 0, or 1 when nothing fits the budget; 2 for a usage error (argparse's convention).
@@ -28,7 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 import matepoint
-from matepoint_examples._planning import OPTIMIZERS, largest_batch, optimizer_states, plan_workload
+import matepoint._planner.policy as matepoint_policy
+from matepoint_examples._planning import OPTIMIZERS, optimizer_states, plan_workload
 from matepoint_examples._runtime import format_bytes
 from matepoint_examples._workloads import WORKLOADS, Workload, get_workload
 
@@ -413,11 +421,54 @@ def _options(args: argparse.Namespace) -> matepoint.OffloadSettings:
     return options
 
 
+def _budget_search(
+    memory_plan: matepoint.MemoryPlan, step_budget: int, args: argparse.Namespace
+) -> matepoint.BudgetPlan | matepoint.Recommendation:
+    """The one answer to ``--budget``: the budget search's plan, or, where torch has no
+    selective checkpointing (before 2.5), the options that fit (``MemoryPlan.recommend``)."""
+    if not matepoint_policy.AVAILABLE:
+        return memory_plan.recommend(step_budget)
+    return memory_plan.fastest_under(
+        step_budget, host_budget_bytes=args.host_budget, ranks_per_node=args.ranks_per_node
+    )
+
+
+def _budget_plan_report(budget_plan: matepoint.BudgetPlan) -> dict[str, Any]:
+    """The budget plan as the ``--json`` report gives it."""
+    return {
+        "budget_bytes": budget_plan.budget_bytes,
+        "fits": budget_plan.fits,
+        "decisions": dict(budget_plan.decisions),
+        "kept_in_last": dict(budget_plan.kept_in_last),
+        "regions": budget_plan.regions,
+        "settings": budget_plan.settings_changes(),
+        "peak_bytes": budget_plan.peak_bytes,
+        "pinned_bytes_per_node": budget_plan.pinned_bytes_per_node,
+        "step_seconds": budget_plan.step_seconds,
+        "every_block_seconds": budget_plan.every_block_seconds,
+        "smallest_budget_bytes": budget_plan.smallest_budget_bytes,
+        "batch_fraction": budget_plan.batch_fraction,
+    }
+
+
+def _recommendation_report(recommendation: matepoint.Recommendation) -> dict[str, Any]:
+    """The options search's answer as the ``--json`` report gives it (torch before 2.5)."""
+    options = recommendation.options
+    return {
+        "fits": recommendation.fits,
+        "options": None if options is None else dataclasses.asdict(options),
+        "peak_bytes": recommendation.plan.peak_bytes,
+        "link_bytes": recommendation.plan.link_bytes,
+        "minimum_peak_bytes": recommendation.minimum_peak_bytes,
+        "batch_fraction": recommendation.batch_fraction,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Plan a workload and print, and optionally write, the report.
 
-    Everything is planned first (the strategies, the budget search, the options and the
-    largest batch), then printed: "planned in" is the time all of it took.
+    Everything is planned first (the strategies and the budget search), then printed: "planned
+    in" is the time all of it took.
 
     Args:
         argv: Command-line arguments (default: ``sys.argv[1:]``).
@@ -459,21 +510,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget: int | None = args.budget
     # The states stay on the device through the step: the step has the budget less them.
     step_budget = None if budget is None else budget - state_bytes
-    fastest: matepoint.BudgetPlan | None = None
-    search_error: str | None = None
-    recommendation: matepoint.Recommendation | None = None
-    batch: int | None = None
+    fastest: matepoint.BudgetPlan | matepoint.Recommendation | None = None
     if step_budget is not None and step_budget > 0:
-        try:
-            fastest = memory_plan.fastest_under(
-                step_budget, host_budget_bytes=args.host_budget, ranks_per_node=args.ranks_per_node
-            )
-        except RuntimeError as error:  # torch without selective checkpointing (before 2.5)
-            search_error = str(error)
-        recommendation = memory_plan.recommend(step_budget)
-        if not recommendation.fits:
-            frugal = dataclasses.replace(options, min_offload_bytes=1, stash_bytes=0, prefetch=0)
-            batch = largest_batch(workload, step_budget, frugal)
+        fastest = _budget_search(memory_plan, step_budget, args)
     seconds = time.perf_counter() - started
     report["planning_seconds"] = seconds
 
@@ -502,47 +541,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
             highlight=False,
         )
-        fits = step_budget > 0 and (
-            (fastest is not None and fastest.fits)
-            or (recommendation is not None and recommendation.fits)
-        )
+        fits = step_budget > 0 and fastest is not None and fastest.fits
         report["fits"] = fits
-    if search_error is not None:
-        console.print(f"[dim]no fastest-step plan: {search_error}[/]", highlight=False)
-    if fastest is not None:
+    if isinstance(fastest, matepoint.BudgetPlan):
         console.print(str(fastest), highlight=False)
-        report["budget_plan"] = {
-            "budget_bytes": fastest.budget_bytes,
-            "fits": fastest.fits,
-            "decisions": dict(fastest.decisions),
-            "kept_in_last": dict(fastest.kept_in_last),
-            "regions": fastest.regions,
-            "settings": fastest.settings_changes(),
-            "peak_bytes": fastest.peak_bytes,
-            "pinned_bytes_per_node": fastest.pinned_bytes_per_node,
-            "step_seconds": fastest.step_seconds,
-            "every_block_seconds": fastest.every_block_seconds,
-            "smallest_budget_bytes": fastest.smallest_budget_bytes,
-        }
-    if recommendation is not None and step_budget is not None:
-        console.print(f"[bold]step budget {format_bytes(step_budget)}[/]: {recommendation}")
-        report["recommendation"] = {
-            "fits": recommendation.fits,
-            "options": None
-            if recommendation.options is None
-            else dataclasses.asdict(recommendation.options),
-            "peak_bytes": recommendation.plan.peak_bytes,
-            "link_bytes": recommendation.plan.link_bytes,
-            "minimum_peak_bytes": recommendation.minimum_peak_bytes,
-            "batch_fraction": recommendation.batch_fraction,
-        }
-        if batch is not None:
-            report["recommendation"]["largest_batch"] = batch
-            console.print(
-                f"largest batch that fits (every input offloaded, no stash, no look-ahead): {batch}"
-                if batch
-                else "not even batch 1 fits: shrink the model or the sequence"
-            )
+        report["budget_plan"] = _budget_plan_report(fastest)
+    elif fastest is not None and step_budget is not None:
+        console.print(
+            "[dim]no budget plan: torch's selective checkpointing, which it chooses through, "
+            "arrived in 2.5; the offload options that fit instead[/]",
+            highlight=False,
+        )
+        console.print(f"[bold]step budget {format_bytes(step_budget)}[/]: {fastest}")
+        report["recommendation"] = _recommendation_report(fastest)
     console.print(f"[dim]planned in {seconds:.1f} s[/]")
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
