@@ -5,7 +5,7 @@ checkpoint, once with torch's checkpoint and once with matepoint, whose own offl
 on tensors that hold no memory (see ``matepoint._planner.step``). It reports, per strategy,
 the peak device memory and its timeline, the bytes forward leaves for backward, the pinned host
 RAM, the bytes each way over the link, and the time those bytes need against an estimate of the
-compute time, and it proposes options that fit a device-memory budget.
+compute time, and it finds the fastest step within a device-memory budget (``fastest_under``).
 """
 
 from __future__ import annotations
@@ -104,6 +104,14 @@ class MemoryPlan:
     def recommend(self, budget_bytes: int) -> Recommendation:
         """Propose offload options that fit ``budget_bytes`` of device memory with least traffic.
 
+        The options-only search, kept for its API: it changes ``min_offload_bytes``,
+        ``stash_bytes`` and ``prefetch`` alone, for the least link traffic, not the fastest
+        step. :meth:`fastest_under` is the one answer to a budget (what ``matepoint-plan``
+        prints): it chooses the look-ahead, the inputs held and the stash (with this search's
+        rule: Note [The stash] in ``matepoint._planner.search``) with keep, offload or
+        recompute per kind of op, and where nothing fits says how much of the batch would. It
+        also runs before torch 2.5, which budget plans need.
+
         Re-plans the step with candidate options (a few to a few dozen meta steps); see
         :class:`Recommendation` for the search.
 
@@ -128,8 +136,9 @@ class MemoryPlan:
 
         Re-plans the step with selective-checkpoint policies on every ``matepoint.checkpoint``
         call (one profile, then a few steps per kind of op); see Note [The budget search] in
-        ``matepoint._planner.search``. Peaks and bytes are the planner's; times come from
-        ``device``.
+        ``matepoint._planner.search``. Last, over the plan chosen, it takes the largest stash
+        that fits where the link limits the step (Note [The stash]). Peaks and bytes are the
+        planner's; times come from ``device``.
 
         Args:
             budget_bytes: Device memory the step may use, parameters and gradients included:
@@ -150,8 +159,8 @@ class MemoryPlan:
                 model decides.
 
         Returns:
-            The chosen plan (``fits`` False, and the smallest budget that would fit, if none
-            does).
+            The chosen plan (``fits`` False, the smallest budget that would fit and the share of
+            the batch that would, if none does).
 
         Raises:
             TypeError: For an argument of the wrong type (a budget that is not a number, a
@@ -323,7 +332,8 @@ def plan(
         **example_kwargs: Keyword arguments of ``fn``.
 
     Returns:
-        The plan; ``str(plan)`` is a table, ``plan.recommend(budget)`` proposes options.
+        The plan; ``str(plan)`` is a table, ``plan.fastest_under(budget)`` finds the fastest
+        step within a budget.
 
     Raises:
         ValueError: For an unknown strategy; for ``OffloadOptions(enabled=False)``; if ``fn``
