@@ -11,7 +11,13 @@ import sys
 import matepoint_compat as _compat
 from matepoint._checkpoint import checkpoint, checkpoint_sequential
 from matepoint._engine.stats import OffloadStats
-from matepoint._errors import InplaceModificationError, MatepointError, PinnedMemoryExhausted
+from matepoint._errors import (
+    BudgetOutOfMemoryError,
+    InplaceModificationError,
+    MatepointError,
+    PinnedMemoryExhausted,
+)
+from matepoint._guard import BudgetGuard, BudgetOvershootWarning, GuardReading, budget_guard
 from matepoint._monitor import prefetch_now, release_pool, report, reset_stats, stats
 from matepoint._options import OffloadOptions, OffloadSettings, configure, get_options, options
 from matepoint._planner.budget_plan import BudgetPlan
@@ -35,8 +41,12 @@ if _compat.__version__ != __version__:
     )
 
 __all__ = [
+    "BudgetGuard",
+    "BudgetOutOfMemoryError",
+    "BudgetOvershootWarning",
     "BudgetPlan",
     "DeviceModel",
+    "GuardReading",
     "InplaceModificationError",
     "MatepointError",
     "MemoryPlan",
@@ -48,6 +58,7 @@ __all__ = [
     "StrategyPlan",
     "TimelinePoint",
     "__version__",
+    "budget_guard",
     "calibrate",
     "checkpoint",
     "checkpoint_sequential",

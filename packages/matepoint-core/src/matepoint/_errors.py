@@ -5,7 +5,17 @@ Also :func:`inplace_error`, the one wording of the in-place error, for offloaded
 
 from __future__ import annotations
 
-__all__ = ["InplaceModificationError", "MatepointError", "PinnedMemoryExhausted", "inplace_error"]
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BudgetOutOfMemoryError",
+    "InplaceModificationError",
+    "MatepointError",
+    "PinnedMemoryExhausted",
+    "inplace_error",
+]
 
 
 class MatepointError(Exception):
@@ -21,6 +31,30 @@ class PinnedMemoryExhausted(MatepointError, MemoryError):
     The checkpoint call that hit the limit leaves nothing behind: the step can be retried after
     freeing memory, raising ``pool_cap_bytes`` or choosing ``on_pool_exhausted="pageable"``.
     """
+
+
+# torch.cuda.OutOfMemoryError is torch.OutOfMemoryError from torch 2.5 on, and in torch 2.4 too.
+class BudgetOutOfMemoryError(MatepointError, torch.cuda.OutOfMemoryError):
+    """Raised when a step under a budget plan runs out of device memory.
+
+    A subclass of torch's out-of-memory error, so existing handlers still catch it; its message
+    names the plan, its budget and its predicted peak, and the same are its attributes. The
+    guard that raised it (:class:`matepoint.BudgetGuard`) set the gradients to None first: the
+    next step can run.
+
+    Attributes:
+        plan: The :class:`matepoint.BudgetPlan` in force.
+        budget_bytes: The step's budget, the optimizer's states included.
+        predicted_bytes: The plan's predicted peak, the optimizer's states included.
+    """
+
+    def __init__(
+        self, message: str, *, plan: Any = None, budget_bytes: int = 0, predicted_bytes: int = 0
+    ) -> None:
+        super().__init__(message)
+        self.plan = plan
+        self.budget_bytes = budget_bytes
+        self.predicted_bytes = predicted_bytes
 
 
 class InplaceModificationError(MatepointError, RuntimeError):

@@ -9,7 +9,11 @@
 Each takes ``budget=`` (with ``example_batch=`` and ``optimizer=``): it wraps the blocks, plans
 the fastest step within the budget from the live model (:func:`matepoint.plan_budget`) and
 applies the plan, each block with its own region (Note [A plan's regions] in
-``matepoint._planner.policy``); or ``budget_plan=``, a plan made before.
+``matepoint._planner.policy``); or ``budget_plan=``, a plan made before. With ``budget=``,
+:func:`apply_matepoint_checkpointing` and :func:`enable_hf_gradient_checkpointing` also attach
+a :class:`matepoint.BudgetGuard` to the model (``guard=False`` leaves it out): it reads the
+first steps' measured peaks and plans again where they go over the budget (Note [The budget
+guard] in ``matepoint._guard``).
 
 None of these imports ``transformers``: the Hugging Face helper only calls the model's own
 methods, so matepoint's runtime dependencies stay torch and matepoint-compat.
@@ -34,9 +38,11 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from matepoint._checkpoint import checkpoint
+from matepoint._guard import BudgetGuard, CudaMemory
 from matepoint._options import configure
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.live_model import plan_prepared
+from matepoint._planner.optimizer_states import optimizer_state_bytes
 from matepoint._planner.time_model import DeviceModel
 from matepoint_compat import torch_apply_activation_checkpointing, torch_checkpoint_wrapper
 
@@ -191,6 +197,7 @@ def enable_hf_gradient_checkpointing(
     loss_fn: Callable[[Any], Any] | None = None,
     device: DeviceModel | None = None,
     budget_plan: BudgetPlan | None = None,
+    guard: bool = True,
     **checkpoint_kwargs: Any,
 ) -> BudgetPlan | None:
     """Turn on a ``transformers`` model's gradient checkpointing, run by ``matepoint.checkpoint``.
@@ -224,11 +231,14 @@ def enable_hf_gradient_checkpointing(
         loss_fn: With ``budget``: turns the output into the loss. Default: its ``loss``.
         device: With ``budget``: the time model's rates. Default: an H200's.
         budget_plan: A plan made before, applied layer by layer. Default: None.
+        guard: With ``budget``: attach a :class:`matepoint.BudgetGuard` to the model
+            (:func:`matepoint.budget_guard` finds it). Default: True.
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint` (``pipeline``,
             ``offload``, ``preserve_rng_state``, ...). ``use_reentrant`` defaults to ``False``.
 
     Returns:
-        The plan applied, or None without one.
+        The plan applied (a re-plan of the guard replaces it: ``budget_guard(model).plan``),
+        or None without one.
 
     Raises:
         TypeError: If ``model`` has no gradient checkpointing to enable, or uses the format of
@@ -242,20 +252,61 @@ def enable_hf_gradient_checkpointing(
         >>> enable_hf_gradient_checkpointing(model)  # doctest: +SKIP
         >>> model.train()  # doctest: +SKIP
     """
+    replan = functools.partial(
+        _replan_hf, model, checkpoint_kwargs, example_batch, optimizer, loss_fn, device
+    )
     if budget is not None:
-        budget_plan = _planned(
-            model,
-            functools.partial(_enable_hf, checkpoint_kwargs=checkpoint_kwargs),
-            budget,
-            budget_plan,
-            example_batch,
-            optimizer,
-            loss_fn,
-            device,
-            _one_sequence_per_row(example_batch),
-        )
+        budget_plan = replan(budget, budget_plan)
     _enable_hf(model, checkpoint_kwargs, budget_plan)
+    if budget is not None and guard:
+        assert budget_plan is not None
+        apply = functools.partial(_apply_hf, model, checkpoint_kwargs)
+        _attach_guard(model, budget_plan, optimizer, replan, apply)
     return budget_plan
+
+
+def _replan_hf(
+    model: nn.Module,
+    checkpoint_kwargs: dict[str, Any],
+    example_batch: Any,
+    optimizer: Any,
+    loss_fn: Callable[[Any], Any] | None,
+    device: DeviceModel | None,
+    budget: int | float | str,
+    budget_plan: BudgetPlan | None = None,
+) -> BudgetPlan:
+    """Plan the transformers ``model`` at ``budget``: its twin's layers enabled afresh, so
+    they checkpoint without the plan in force."""
+    prepare = functools.partial(_enable_hf, checkpoint_kwargs=checkpoint_kwargs)
+    scope = _one_sequence_per_row(example_batch)
+    args = (budget, budget_plan, example_batch, optimizer, loss_fn, device, scope)
+    return _planned(model, prepare, *args)
+
+
+def _apply_hf(model: nn.Module, checkpoint_kwargs: dict[str, Any], plan: BudgetPlan) -> None:
+    """Apply ``plan`` to the transformers ``model``'s checkpointed layers, one region each."""
+    layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    functions = _hf_layer_functions(layers, plan, checkpoint_kwargs)
+    for layer, function in zip(layers, functions, strict=True):
+        layer._gradient_checkpointing_func = function  # type: ignore[assignment]
+
+
+def _attach_guard(
+    model: nn.Module,
+    plan: BudgetPlan,
+    optimizer: Any,
+    replan: Callable[[int], BudgetPlan],
+    apply: Callable[[BudgetPlan], None],
+) -> None:
+    """Attach a guard on ``plan``'s first steps to ``model``, reading its device's peaks
+    (See Note [The budget guard] in ``matepoint._guard``); on a CPU model it reads nothing."""
+    states = 0 if optimizer is None else optimizer_state_bytes(optimizer)
+    guard = BudgetGuard(
+        plan, replan=replan, apply=apply, states_bytes=states, model=model, optimizer=optimizer
+    )
+    device = next((p.device for p in model.parameters()), None)
+    guard.memory = CudaMemory(device) if device is not None and device.type == "cuda" else None
+    guard.attach(model)
 
 
 def _enable_hf(
@@ -393,6 +444,7 @@ def apply_matepoint_checkpointing(
     loss_fn: Callable[[Any], Any] | None = None,
     device: DeviceModel | None = None,
     budget_plan: BudgetPlan | None = None,
+    guard: bool = True,
     **checkpoint_kwargs: Any,
 ) -> BudgetPlan | None:
     """Wrap the submodules of ``model`` that ``check_fn`` selects with :func:`checkpoint_wrapper`.
@@ -423,11 +475,14 @@ def apply_matepoint_checkpointing(
         loss_fn: With ``budget``: turns the output into the loss. Default: its sum.
         device: With ``budget``: the time model's rates. Default: an H200's.
         budget_plan: A plan made before, applied block by block. Default: None.
+        guard: With ``budget``: attach a :class:`matepoint.BudgetGuard` to the model
+            (:func:`matepoint.budget_guard` finds it). Default: True.
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint`.
             ``use_reentrant`` defaults to ``False``.
 
     Returns:
-        The plan applied, or None without one.
+        The plan applied (a re-plan of the guard replaces it: ``budget_guard(model).plan``),
+        or None without one.
 
     Raises:
         TypeError: For ``budget`` without ``example_batch`` or ``optimizer``.
@@ -448,8 +503,47 @@ def apply_matepoint_checkpointing(
     if budget_plan is not None and auto_wrap_policy is None:
         selected = [m for m in model.modules() if m is not model and check_fn(m)]
         _check_blocks(budget_plan, len(selected), "blocks to wrap")
-    _wrap_blocks(model, check_fn, auto_wrap_policy, budget_plan, checkpoint_kwargs)
+    wrappers = _wrap_blocks(model, check_fn, auto_wrap_policy, budget_plan, checkpoint_kwargs)
+    if budget is not None and guard:
+        assert budget_plan is not None
+        replan = functools.partial(
+            _replan_wrapped, model, checkpoint_kwargs, example_batch, optimizer, loss_fn, device
+        )
+        apply = functools.partial(_apply_wrapped, wrappers, checkpoint_kwargs)
+        _attach_guard(model, budget_plan, optimizer, replan, apply)
     return budget_plan
+
+
+def _replan_wrapped(
+    model: nn.Module,
+    checkpoint_kwargs: dict[str, Any],
+    example_batch: Any,
+    optimizer: Any,
+    loss_fn: Callable[[Any], Any] | None,
+    device: DeviceModel | None,
+    total: int,
+) -> BudgetPlan:
+    """Plan the wrapped ``model`` again at ``total`` bytes, its twin's blocks checkpointed
+    without the plan in force."""
+
+    def unplanned(twin: nn.Module) -> None:
+        for module in twin.modules():
+            function = getattr(module, "checkpoint_fn", None)
+            if isinstance(function, functools.partial) and function.func is checkpoint:
+                module.checkpoint_fn = matepoint_checkpoint_fn(**checkpoint_kwargs)  # type: ignore[assignment]
+
+    args = (total, None, example_batch, optimizer, loss_fn, device)
+    return _planned(model, unplanned, *args)
+
+
+def _apply_wrapped(
+    wrappers: list[nn.Module], checkpoint_kwargs: dict[str, Any], plan: BudgetPlan
+) -> None:
+    """Apply ``plan`` to the wrapped blocks, block ``i`` with region ``i``."""
+    _check_blocks(plan, len(wrappers), "wrapped blocks")
+    for region, wrapper in enumerate(wrappers):
+        function = matepoint_checkpoint_fn(plan, region=region, **checkpoint_kwargs)
+        wrapper.checkpoint_fn = function  # type: ignore[assignment]
 
 
 def _wrap_blocks(

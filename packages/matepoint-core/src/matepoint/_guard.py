@@ -1,0 +1,318 @@
+"""The guard on a budget plan's first real steps: the measured peak against the plan's.
+
+A plan's peak is predicted on the meta device; the real step's peak is read from the device
+after it ran. :class:`BudgetGuard` compares the two on the first steps under a plan and, where
+the step went over the budget, warns with the figures and plans again with the measured gap
+(Note [The budget guard]). An out-of-memory error in a guarded step is re-raised as
+:class:`matepoint.BudgetOutOfMemoryError`, naming the plan, with the model left usable.
+
+The integrations' ``budget=`` path installs a guard on the model's root module
+(:meth:`BudgetGuard.attach`); :func:`budget_guard` finds it.
+
+Note [The budget guard]
+    Rule 1. A step's measured peak is the device's peak allocated memory between two readings
+        (``torch.cuda.max_memory_allocated``, its peak reset at each reading). The plan's
+        figures count the optimizer's states apart (``BudgetPlan.budget_bytes`` is the budget
+        less them), so the guard adds them back: the budget and the predicted peak it compares
+        with are the whole step's.
+    Rule 2. A step over the budget is the prediction's error, ``gap = measured - predicted``:
+        the guard plans again at ``budget - gap``, so that the new plan's prediction plus the
+        same error fits, and applies the new plan. A plan that did not fit to begin with and
+        ran within its prediction has no gap to plan away: the guard only warns.
+    Rule 3. The guard reads the first ``steps`` steps under each plan (a new plan starts the
+        count again) and plans again at most ``max_replans`` times; after that it reads
+        nothing. A step the guard does not read costs it nothing.
+    Rule 4. An out-of-memory error inside :meth:`BudgetGuard.step` leaves no gradient behind:
+        the model's and the optimizer's gradients are set to None (a half-run backward has
+        accumulated into some only), and the frames of the error are cleared so the tensors
+        they held are freed; the next step starts from a clean model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from matepoint._errors import BudgetOutOfMemoryError
+from matepoint._planner.budget_plan import BudgetPlan
+
+__all__ = [
+    "BudgetGuard",
+    "BudgetOvershootWarning",
+    "CudaMemory",
+    "DeviceMemory",
+    "GuardReading",
+    "budget_guard",
+]
+
+_GIB = float(1 << 30)
+# The guard each model carries, by the model: not an attribute of the model, which the meta
+# twin of a re-plan deep-copies (Note [The meta twin] in matepoint._planner.live_model).
+_GUARDS: weakref.WeakKeyDictionary[nn.Module, BudgetGuard] = weakref.WeakKeyDictionary()
+
+
+class DeviceMemory(Protocol):
+    """Where the guard reads a step's peak: the device's, or a test's simulation."""
+
+    def reset_peak(self) -> None:
+        """Start a new step: forget the peak so far."""
+
+    def peak_bytes(self) -> int:
+        """The peak allocated device memory since the last :meth:`reset_peak`."""
+
+
+class CudaMemory:
+    """A CUDA device's peak allocated memory (``torch.cuda.max_memory_allocated``)."""
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        self.device = device
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+
+class BudgetOvershootWarning(UserWarning):
+    """A guarded step's measured peak went over the budget (See Note [The budget guard])."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardReading:
+    """One step's figures, the optimizer's states included in each (Note [The budget guard],
+    rule 1).
+
+    Attributes:
+        measured_bytes: The step's measured peak.
+        predicted_bytes: The plan's predicted peak.
+        budget_bytes: The budget.
+    """
+
+    measured_bytes: int
+    predicted_bytes: int
+    budget_bytes: int
+
+    @property
+    def gap_bytes(self) -> int:
+        """How far the measured peak is above the prediction (negative below it)."""
+        return self.measured_bytes - self.predicted_bytes
+
+    @property
+    def over_budget(self) -> bool:
+        """Whether the measured peak is above the budget."""
+        return self.measured_bytes > self.budget_bytes
+
+
+def _gib(size: int) -> str:
+    return f"{size / _GIB:.2f} GiB ({size} bytes)"
+
+
+def describe(plan: BudgetPlan) -> str:
+    """A plan in one line: its decisions and the settings it chose."""
+    decided = ", ".join(f"{kind} {decision}" for kind, decision in plan.decisions)
+    return (
+        f"budget plan of {plan.regions} regions ({decided or 'every op recomputed'}; "
+        f"prefetch {plan.prefetch}, min_offload_bytes {plan.min_offload_bytes})"
+    )
+
+
+class BudgetGuard:
+    """Checks a budget plan's first real steps and plans again where they go over the budget.
+
+    The integrations' ``budget=`` install one on the model (find it with
+    :func:`matepoint.budget_guard`): it reads the previous step's peak at each training forward
+    of the root module. For a model applying a plan itself, make one and either call
+    :meth:`check` after each step or run each step in ``with guard.step():``, which also
+    names the plan in an out-of-memory error (Note [The budget guard]).
+
+    Args:
+        plan: The plan in force.
+        replan: Plans again at a whole-step budget in bytes, the optimizer's states included
+            (as ``matepoint.plan_budget(..., budget=bytes)`` does).
+        apply: Applies a new plan (``configure`` its settings, each block's ``context_fn``).
+        states_bytes: The optimizer's states the plan's budget left out. Default: 0.
+        model: The model whose gradients an out-of-memory error clears. Default: None.
+        optimizer: The optimizer whose gradients it clears too. Default: None.
+        memory: Where the peak is read. Default: the current CUDA device's where CUDA is
+            available, else None (the guard reads nothing).
+        steps: Steps read under each plan. Default: 3.
+        max_replans: Re-plans at most. Default: 2.
+
+    Example:
+        >>> guard = matepoint.BudgetGuard(  # doctest: +SKIP
+        ...     plan, replan=lambda b: matepoint.plan_budget(model, batch, optimizer=opt,
+        ...     budget=b), apply=apply_plan, model=model, optimizer=opt)
+        >>> with guard.step():  # doctest: +SKIP
+        ...     model(batch).sum().backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        plan: BudgetPlan,
+        *,
+        replan: Callable[[int], BudgetPlan],
+        apply: Callable[[BudgetPlan], None],
+        states_bytes: int = 0,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        memory: DeviceMemory | None = None,
+        steps: int = 3,
+        max_replans: int = 2,
+    ) -> None:
+        if memory is None and torch.cuda.is_available():
+            memory = CudaMemory()
+        self.plan, self.memory, self.enabled = plan, memory, True
+        self.budget_bytes = plan.budget_bytes + states_bytes
+        self.states_bytes, self.steps, self.max_replans = states_bytes, steps, max_replans
+        self.readings: list[GuardReading] = []
+        self.replans = 0
+        self._replan, self._apply = replan, apply
+        self._model, self._optimizer = model, optimizer
+        self._read = 0  # steps read under the plan in force
+        self._started = False  # a step's peak is being counted
+        self._in_step = False
+        self._handle: Any = None
+
+    @property
+    def watching(self) -> bool:
+        """Whether the next step is read (See Note [The budget guard], rule 3)."""
+        return self.enabled and self.memory is not None and self._read < self.steps
+
+    def start(self) -> None:
+        """Start counting a step's peak (the next :meth:`check` reads from here)."""
+        if self.watching:
+            assert self.memory is not None
+            self.memory.reset_peak()
+            self._started = True
+
+    def check(self) -> GuardReading | None:
+        """Read the step since the last reading; warn and plan again where it went over.
+
+        Returns:
+            The step's figures, or None where the guard reads nothing.
+        """
+        if not (self.watching and self._started):
+            self.start()
+            return None
+        assert self.memory is not None
+        reading = GuardReading(
+            self.memory.peak_bytes(), self.plan.peak_bytes + self.states_bytes, self.budget_bytes
+        )
+        self.readings.append(reading)
+        self._read += 1
+        if reading.over_budget:
+            self._overshoot(reading)
+        self.start()
+        return reading
+
+    def _overshoot(self, reading: GuardReading) -> None:
+        """Warn with the figures; plan again at the budget less the gap (rule 2)."""
+        message = (
+            f"matepoint: a step under the {describe(self.plan)} peaked at "
+            f"{_gib(reading.measured_bytes)}, over the budget of {_gib(reading.budget_bytes)}; "
+            f"predicted {_gib(reading.predicted_bytes)}, a gap of {_gib(reading.gap_bytes)}"
+        )
+        target = reading.budget_bytes - reading.gap_bytes
+        if reading.gap_bytes <= 0 or self.replans >= self.max_replans:
+            warnings.warn(f"{message}; not planned again", BudgetOvershootWarning, stacklevel=3)
+            return
+        try:
+            plan = self._replan(target)
+        except ValueError as error:
+            warnings.warn(
+                f"{message}; planning again at {_gib(target)} failed: {error}",
+                BudgetOvershootWarning,
+                stacklevel=3,
+            )
+            return
+        warnings.warn(
+            f"{message}; planned again at {_gib(target)}: the {describe(plan)}, predicted "
+            f"{_gib(plan.peak_bytes + self.states_bytes)}"
+            + ("" if plan.fits else ", which does NOT fit"),
+            BudgetOvershootWarning,
+            stacklevel=3,
+        )
+        self._apply(plan)
+        self.plan, self.replans, self._read = plan, self.replans + 1, 0
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Run one planned step: read it at the end, and name the plan if it runs out of memory.
+
+        Raises:
+            BudgetOutOfMemoryError: For an out-of-memory error inside the step, after the
+                model's and optimizer's gradients are set to None (See Note [The budget
+                guard], rule 4).
+        """
+        self._in_step = True
+        self.start()
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError as error:
+            if isinstance(error, BudgetOutOfMemoryError):
+                raise
+            raise self._out_of_memory(error) from error
+        finally:
+            self._in_step = False
+        self.check()
+
+    def _out_of_memory(self, error: BaseException) -> BudgetOutOfMemoryError:
+        """Clear what the failed step left (rule 4) and name the plan."""
+        if error.__traceback__ is not None:
+            traceback.clear_frames(error.__traceback__)
+        for owner in (self._model, self._optimizer):
+            if owner is not None:
+                owner.zero_grad(set_to_none=True)
+        self._started = False
+        first = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+        return BudgetOutOfMemoryError(
+            f"out of memory in a step under the {describe(self.plan)}: its budget is "
+            f"{_gib(self.budget_bytes)} and its predicted peak "
+            f"{_gib(self.plan.peak_bytes + self.states_bytes)} ({first}). The gradients were "
+            "set to None and the next step can run; plan at a smaller budget, or give the "
+            "device more room (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)",
+            plan=self.plan,
+            budget_bytes=self.budget_bytes,
+            predicted_bytes=self.plan.peak_bytes + self.states_bytes,
+        )
+
+    def attach(self, model: nn.Module) -> BudgetGuard:
+        """Read each step at the root module's next training forward; :func:`budget_guard`
+        finds the guard by ``model``. Returns the guard."""
+        self.remove()
+        guard, root = weakref.ref(self), weakref.ref(model)
+
+        def before_forward(module: nn.Module, _args: Any) -> None:
+            # The meta twin of a re-plan shares this hook (a function deep-copies as itself).
+            found = guard()
+            if found is None or module is not root() or found._in_step:
+                return
+            if module.training and torch.is_grad_enabled() and found.watching:
+                found.check()
+
+        self._handle = model.register_forward_pre_hook(before_forward)
+        _GUARDS[model] = self
+        return self
+
+    def remove(self) -> None:
+        """Take the guard off the model it is attached to; it reads nothing by itself after."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        for model, guard in list(_GUARDS.items()):
+            if guard is self:
+                del _GUARDS[model]
+
+
+def budget_guard(model: nn.Module) -> BudgetGuard | None:
+    """The guard the integrations' ``budget=`` attached to ``model``, or None."""
+    return _GUARDS.get(model)

@@ -1,0 +1,245 @@
+"""The guard on a budget plan's first real steps (Note [The budget guard] in ``matepoint._guard``).
+
+The device's peak is simulated (``guard.memory``): an overshoot warns and applies a plan made at
+a smaller budget, under which the next step gives gradients bitwise equal (fp32, CPU test
+transport) to torch's checkpoint under the new plan's policy; no overshoot plans nothing; an
+out-of-memory error in a guarded step is re-raised naming the plan, and training goes on.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+import matepoint
+import matepoint.integrations as mi
+from matepoint import DeviceModel
+from matepoint._planner import policy
+from matepoint.testing import CPUTestTransport
+
+needs_plans = pytest.mark.skipif(not policy.AVAILABLE, reason="budget plans need torch 2.5")
+
+# Compute at 1 TFLOP/s and a policy without host time: keeping what is dear pays.
+FREE_POLICY = DeviceModel(peak_flops=1e12, policy_seconds_per_op=0)
+BLOCKS, SHAPE = 4, (512, 64)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 256, bias=False)
+        self.down = nn.Linear(256, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class SimulatedMemory:
+    """A device whose peak is what the test says; counts the resets."""
+
+    def __init__(self, peak: int) -> None:
+        self.peak = peak
+        self.resets = 0
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+
+    def peak_bytes(self) -> int:
+        return self.peak
+
+
+def _guarded(budget: Any = "1GiB") -> tuple[nn.Sequential, list[nn.Module], matepoint.BudgetGuard]:
+    """A stack with its plan applied by the one call, and the guard it attached."""
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [Block() for _ in range(BLOCKS)]
+    model = nn.Sequential(*blocks)
+    mi.apply_matepoint_checkpointing(
+        model,
+        lambda m: isinstance(m, Block),
+        budget=budget,
+        example_batch=torch.randn(*SHAPE),
+        optimizer=None,
+        device=FREE_POLICY,
+    )
+    guard = matepoint.budget_guard(model)
+    assert guard is not None
+    return model, blocks, guard
+
+
+def _step_matches_torch(
+    model: nn.Module, blocks: list[nn.Module], plan: matepoint.BudgetPlan, seed: int
+) -> None:
+    """One step of ``model`` against ``blocks``' twins through torch's checkpoint with the
+    plan's policy per region, taken after the model's step has run (its forward may re-plan)."""
+    reference = copy.deepcopy(blocks)
+    for module in (model, *reference):
+        module.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    x = torch.randn(*SHAPE, requires_grad=True)
+    model(x).sum().backward()
+    plan = matepoint.budget_guard(model).plan if matepoint.budget_guard(model) else plan
+    assert matepoint.get_options().min_offload_bytes == plan.min_offload_bytes
+    y = x_reference = x.detach().clone().requires_grad_()
+    for index, block in enumerate(reference):
+        y = torch_checkpoint.checkpoint(
+            block, y, use_reentrant=False, context_fn=plan.context_fn(index)
+        )
+    y.sum().backward()
+    assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
+    mine = [p for block in blocks for p in block.parameters()]
+    theirs = [p for block in reference for p in block.parameters()]
+    for got, want in zip(mine, theirs, strict=True):
+        assert got.grad is not None
+        assert torch.equal(got.grad, want.grad)
+
+
+def test_the_out_of_memory_error_is_torchs_and_matepoints() -> None:
+    error = matepoint.BudgetOutOfMemoryError("out", plan=None, budget_bytes=2, predicted_bytes=1)
+    assert isinstance(error, matepoint.MatepointError)
+    assert isinstance(error, torch.cuda.OutOfMemoryError)
+    assert (error.budget_bytes, error.predicted_bytes) == (2, 1)
+
+
+@needs_plans
+def test_a_simulated_overshoot_warns_and_applies_a_plan_at_a_smaller_budget(
+    cpu_transport: CPUTestTransport,
+) -> None:
+    model, blocks, guard = _guarded()
+    first = guard.plan
+    # The first step, within its prediction: read at the second step's forward.
+    guard.memory = memory = SimulatedMemory(first.peak_bytes)
+    _step_matches_torch(model, blocks, first, seed=0)
+    assert memory.resets == 1
+    # The second step peaks a byte over the budget: the third forward reads it, plans
+    # again and runs under the new plan.
+    _step_matches_torch(model, blocks, first, seed=1)
+    memory.peak = guard.budget_bytes + 1
+    with pytest.warns(matepoint.BudgetOvershootWarning, match="over the budget") as caught:
+        _step_matches_torch(model, blocks, first, seed=2)
+    assert memory.resets == 3
+    message = str(caught[0].message)
+    for figure in (guard.budget_bytes + 1, first.peak_bytes, guard.budget_bytes):
+        assert f"({figure} bytes)" in message
+    assert "a gap of" in message
+    assert guard.replans == 1
+    second = guard.plan
+    gap = guard.readings[-1].gap_bytes
+    assert gap == guard.budget_bytes + 1 - first.peak_bytes
+    assert second.budget_bytes == guard.budget_bytes - gap < first.budget_bytes
+    assert second.peak_bytes <= second.budget_bytes
+    assert second.decisions != first.decisions
+    # The next step runs under the new plan too, which the guard reads against its own peak.
+    memory.peak = second.peak_bytes
+    _step_matches_torch(model, blocks, second, seed=3)
+    assert [reading.over_budget for reading in guard.readings] == [False, True, False]
+    assert guard.readings[-1].predicted_bytes == second.peak_bytes
+
+
+@needs_plans
+def test_no_overshoot_plans_nothing_and_stops_reading_after_the_first_steps(
+    cpu_transport: CPUTestTransport,
+) -> None:
+    model, blocks, guard = _guarded()
+    plan = guard.plan
+    guard.memory = memory = SimulatedMemory(plan.peak_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", matepoint.BudgetOvershootWarning)
+        for seed in range(guard.steps + 3):
+            _step_matches_torch(model, blocks, plan, seed)
+    assert guard.replans == 0
+    assert guard.plan is plan
+    assert len(guard.readings) == guard.steps
+    assert not guard.watching
+    assert memory.resets == guard.steps
+    # An evaluation forward reads nothing, even where the guard would read a step.
+    guard.steps += 1
+    with torch.no_grad():
+        model(torch.randn(*SHAPE))
+    model.eval()
+    model(torch.randn(*SHAPE))
+    assert len(guard.readings) == guard.steps - 1
+    assert memory.resets == guard.steps - 1
+
+
+@needs_plans
+def test_an_out_of_memory_error_names_the_plan_and_training_goes_on(
+    cpu_transport: CPUTestTransport,
+) -> None:
+    model, blocks, guard = _guarded()
+    plan = guard.plan
+    guard.memory = SimulatedMemory(plan.peak_bytes)
+    failing = {"backward": True}
+
+    def run_out(_grad: torch.Tensor) -> None:
+        if failing["backward"]:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def out_of_memory_in_backward(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+        output.register_hook(run_out)
+
+    blocks[1].register_forward_hook(out_of_memory_in_backward)
+    with pytest.raises(matepoint.BudgetOutOfMemoryError) as caught, guard.step():
+        model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+    error = caught.value
+    assert isinstance(error, torch.cuda.OutOfMemoryError)
+    assert isinstance(error.__cause__, torch.cuda.OutOfMemoryError)
+    assert error.plan is plan
+    assert error.budget_bytes == guard.budget_bytes
+    assert error.predicted_bytes == plan.peak_bytes
+    assert f"predicted peak {plan.peak_bytes / (1 << 30):.2f} GiB ({plan.peak_bytes} bytes)" in (
+        str(error)
+    )
+    assert "Tried to allocate 2.00 GiB" in str(error)
+    # The later blocks' gradients were accumulated before the error; none is left.
+    assert all(p.grad is None for p in model.parameters())
+    failing["backward"] = False
+    for seed in range(2):
+        with guard.step():
+            _step_matches_torch(model, blocks, plan, seed)
+
+
+@needs_plans
+def test_an_out_of_memory_error_in_forward_leaves_the_next_step_right(
+    cpu_transport: CPUTestTransport,
+) -> None:
+    model, blocks, guard = _guarded()
+    plan = guard.plan
+
+    def run_out(*_args: Any) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    handle = blocks[2].register_forward_pre_hook(run_out)
+    planned = pytest.raises(matepoint.BudgetOutOfMemoryError, match="budget plan of 4 regions")
+    with planned, guard.step():
+        model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+    handle.remove()
+    for seed in range(2):
+        _step_matches_torch(model, blocks, plan, seed)
+
+
+@needs_plans
+def test_guard_false_attaches_none_and_a_cpu_model_reads_nothing() -> None:
+    model = nn.Sequential(*[Block() for _ in range(BLOCKS)])
+    mi.apply_matepoint_checkpointing(
+        model,
+        lambda m: isinstance(m, Block),
+        budget="1GiB",
+        example_batch=torch.randn(*SHAPE),
+        optimizer=None,
+        device=FREE_POLICY,
+        guard=False,
+    )
+    assert matepoint.budget_guard(model) is None
+    _model, _blocks, guard = _guarded()
+    assert guard.memory is None
+    assert not guard.watching
+    assert guard.check() is None
+    guard.remove()
+    assert matepoint.budget_guard(_model) is None
