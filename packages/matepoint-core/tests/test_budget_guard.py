@@ -243,3 +243,138 @@ def test_guard_false_attaches_none_and_a_cpu_model_reads_nothing() -> None:
     assert guard.check() is None
     guard.remove()
     assert matepoint.budget_guard(_model) is None
+
+
+def _overshoot(guard: matepoint.BudgetGuard, step: Any) -> matepoint.BudgetPlan:
+    """Run ``step`` three times, the second a byte over the budget (read at the third's
+    forward, which plans again); return the new plan."""
+    first = guard.plan
+    guard.memory = memory = SimulatedMemory(first.peak_bytes)
+    step()
+    step()
+    memory.peak = guard.budget_bytes + 1
+    with pytest.warns(matepoint.BudgetOvershootWarning, match="planned again"):
+        step()
+    assert guard.replans == 1
+    assert guard.plan.budget_bytes < first.budget_bytes
+    memory.peak = guard.plan.peak_bytes + guard.states_bytes
+    return guard.plan
+
+
+@needs_plans
+def test_a_transformers_model_plans_again_layer_by_layer(cpu_transport: CPUTestTransport) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    slow_compute = DeviceModel(peak_flops=1e6, policy_seconds_per_op=0)
+    mi.enable_hf_gradient_checkpointing(
+        model,
+        budget="1GiB",
+        example_batch={"input_ids": ids, "labels": ids},
+        optimizer=optimizer,
+        device=slow_compute,
+    )
+    guard = matepoint.budget_guard(model)
+    assert guard is not None
+    assert guard.states_bytes > 0  # SGD's momentum, counted before its first step
+    assert guard.budget_bytes == guard.plan.budget_bytes + guard.states_bytes
+    model.train()
+    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    before = [layer._gradient_checkpointing_func for layer in layers]
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    plan = _overshoot(guard, step)
+    assert plan.regions == len(layers) == 3
+    # Each layer has a new function of its own (its region of the new plan).
+    after = [layer._gradient_checkpointing_func for layer in layers]
+    assert len({id(function) for function in after}) == 3
+    assert not {id(function) for function in after} & {id(function) for function in before}
+    assert matepoint.get_options().min_offload_bytes == plan.min_offload_bytes
+    step()
+
+
+@needs_plans
+def test_checkpoint_wrapper_plans_the_module_again(cpu_transport: CPUTestTransport) -> None:
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(*SHAPE)
+    wrapper = mi.checkpoint_wrapper(
+        block, budget="1GiB", example_batch=x, optimizer=None, device=FREE_POLICY
+    )
+    guard = matepoint.budget_guard(wrapper)
+    assert guard is not None
+    reference = copy.deepcopy(block)
+
+    def step() -> None:
+        wrapper(x.requires_grad_()).sum().backward()
+
+    plan = _overshoot(guard, step)
+    block.zero_grad(set_to_none=True)
+    wrapper(x).sum().backward()
+    torch_checkpoint.checkpoint(
+        reference, x.detach(), use_reentrant=False, context_fn=plan.context_fn(0)
+    ).sum().backward()
+    for got, want in zip(block.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad)
+
+
+class OwnCalls(nn.Module):
+    """A model whose forward calls ``matepoint.checkpoint`` itself, block ``i`` with
+    ``context_fns[i]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.context_fns = [torch_checkpoint.noop_context_fn] * BLOCKS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, context_fn in zip(self.blocks, self.context_fns, strict=True):
+            x = matepoint.checkpoint(block, x, context_fn=context_fn)
+        return x
+
+
+@needs_plans
+def test_a_guard_of_ones_own_calls_checks_each_step(cpu_transport: CPUTestTransport) -> None:
+    model = OwnCalls()
+    x = torch.randn(*SHAPE)
+
+    def replan(budget: int) -> matepoint.BudgetPlan:
+        planned = copy.copy(model)
+        planned.context_fns = [torch_checkpoint.noop_context_fn] * BLOCKS
+        return matepoint.plan_budget(planned, x, optimizer=None, budget=budget, device=FREE_POLICY)
+
+    def apply(plan: matepoint.BudgetPlan) -> None:
+        matepoint.configure(**plan.settings_changes())
+        model.context_fns = [plan.context_fn(i) for i in range(BLOCKS)]
+
+    first = replan(1 << 30)
+    apply(first)
+    memory = SimulatedMemory(first.peak_bytes)
+    guard = matepoint.BudgetGuard(first, replan=replan, apply=apply, model=model, memory=memory)
+    assert matepoint.budget_guard(model) is None  # not attached: the steps call it
+    for _ in range(2):
+        with guard.step():
+            model(x.requires_grad_()).sum().backward()
+    assert [reading.over_budget for reading in guard.readings] == [False, False]
+    memory.peak = guard.budget_bytes + 1
+    with pytest.warns(matepoint.BudgetOvershootWarning), guard.step():
+        model(x).sum().backward()
+    assert guard.replans == 1
+    assert model.context_fns[0] is not first.context_fn(0)
+    assert guard.plan.budget_bytes < first.budget_bytes

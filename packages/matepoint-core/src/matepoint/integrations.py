@@ -380,6 +380,7 @@ def checkpoint_wrapper(
     device: DeviceModel | None = None,
     budget_plan: BudgetPlan | None = None,
     region: int | None = None,
+    guard: bool = True,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Wrap ``module`` in torch's ``CheckpointWrapper`` with ``matepoint.checkpoint`` inside.
@@ -407,6 +408,8 @@ def checkpoint_wrapper(
         region: The plan's region of this block: block ``i`` of the planned step (its
             ``i``-th checkpoint call) takes ``i``. Needed where the plan keeps in its last
             regions (Note [A plan's regions]); else any region decides alike. Default: None.
+        guard: With ``budget``: attach a :class:`matepoint.BudgetGuard` to the wrapper
+            (:func:`matepoint.budget_guard` finds it). Default: True.
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint`.
             ``use_reentrant`` defaults to ``False``.
 
@@ -430,7 +433,16 @@ def checkpoint_wrapper(
             )
         region = 0
     function = matepoint_checkpoint_fn(budget_plan, region=region, **checkpoint_kwargs)
-    return torch_checkpoint_wrapper(module, function)
+    wrapper = torch_checkpoint_wrapper(module, function)
+    if budget is not None and guard:
+        assert budget_plan is not None
+        apply = functools.partial(_apply_wrapped, [wrapper], checkpoint_kwargs)
+
+        def replan(total: int) -> BudgetPlan:
+            return _planned(module, wrap, total, None, example_batch, optimizer, loss_fn, device)
+
+        _attach_guard(wrapper, budget_plan, optimizer, replan, apply)
+    return wrapper
 
 
 def apply_matepoint_checkpointing(
