@@ -93,9 +93,10 @@ Note [The stash]
         inputs the step offloads (``decision.stash_levels``, ``decision.largest_stash``, the
         rule ``MemoryPlan.recommend`` uses too), above the settings' own; it is taken where the
         step gets faster.
-    Example: matepoint on every block, prefetch 0, a budget with room for three block inputs
-    beyond the step's peak: the plan stashes the newest three (``stash_bytes`` their bytes),
-    and its copies back are three fewer.
+    Example: eight blocks, every input offloaded and fetched without look-ahead (``prefetch``
+    0, so every copy back waits), room for ten block inputs above the every-block peak, but not
+    for holding them all: the plan keeps what it keeps, then stashes the newest inputs that
+    still fit, and copies fewer back (test_budget_stash.py).
 
 Note [Measured finalists]
     Rule 1. The time model's least certain term is the policy's host cost: how much of it the
