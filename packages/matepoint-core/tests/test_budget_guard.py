@@ -9,7 +9,9 @@ out-of-memory error in a guarded step is re-raised naming the plan, and training
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -378,3 +380,15 @@ def test_a_guard_of_ones_own_calls_checks_each_step(cpu_transport: CPUTestTransp
     assert guard.replans == 1
     assert model.context_fns[0] is not first.context_fn(0)
     assert guard.plan.budget_bytes < first.budget_bytes
+
+
+@needs_plans
+def test_the_guard_dies_with_its_model_and_keeps_no_batch() -> None:
+    model, _blocks, guard = _guarded()
+    guard_ref, model_ref = weakref.ref(guard), weakref.ref(model)
+    batch = guard._replan.args[2]  # type: ignore[attr-defined]
+    assert batch.device.type == "meta"  # only its shape: no device memory kept alive
+    del model, _blocks, guard
+    gc.collect()
+    assert model_ref() is None
+    assert guard_ref() is None

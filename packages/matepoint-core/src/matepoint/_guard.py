@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+import matepoint_compat as compat
 from matepoint._errors import BudgetOutOfMemoryError
 from matepoint._planner.budget_plan import BudgetPlan
 
@@ -55,8 +56,11 @@ __all__ = [
 
 _GIB = float(1 << 30)
 # The guard each model carries, by the model: not an attribute of the model, which the meta
-# twin of a re-plan deep-copies (Note [The meta twin] in matepoint._planner.live_model).
-_GUARDS: weakref.WeakKeyDictionary[nn.Module, BudgetGuard] = weakref.WeakKeyDictionary()
+# twin of a re-plan deep-copies (Note [The meta twin] in matepoint._planner.live_model). The
+# model's hook holds the guard; a weak reference here lets both die together.
+_GUARDS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[BudgetGuard]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class DeviceMemory(Protocol):
@@ -289,18 +293,17 @@ class BudgetGuard:
         """Read each step at the root module's next training forward; :func:`budget_guard`
         finds the guard by ``model``. Returns the guard."""
         self.remove()
-        guard, root = weakref.ref(self), weakref.ref(model)
+        guard, root = self, weakref.ref(model)
 
         def before_forward(module: nn.Module, _args: Any) -> None:
             # The meta twin of a re-plan shares this hook (a function deep-copies as itself).
-            found = guard()
-            if found is None or module is not root() or found._in_step:
+            if module is not root() or guard._in_step:
                 return
-            if module.training and torch.is_grad_enabled() and found.watching:
-                found.check()
+            if module.training and torch.is_grad_enabled() and guard.watching:
+                guard.check()
 
         self._handle = model.register_forward_pre_hook(before_forward)
-        _GUARDS[model] = self
+        _GUARDS[model] = weakref.ref(self)
         return self
 
     def remove(self) -> None:
@@ -309,10 +312,26 @@ class BudgetGuard:
             self._handle.remove()
             self._handle = None
         for model, guard in list(_GUARDS.items()):
-            if guard is self:
+            if guard() is self:
                 del _GUARDS[model]
 
 
 def budget_guard(model: nn.Module) -> BudgetGuard | None:
     """The guard the integrations' ``budget=`` attached to ``model``, or None."""
-    return _GUARDS.get(model)
+    guard = _GUARDS.get(model)
+    return None if guard is None else guard()
+
+
+def meta_batch(batch: Any) -> Any:
+    """``batch`` with its tensors on the meta device, for planning again: a plan reads only
+    their shapes, and a guard keeping the batch itself would keep its device memory."""
+    leaves, spec = compat.tree_flatten(batch)
+    meta = [
+        torch.empty_strided(
+            leaf.size(), leaf.stride(), dtype=leaf.dtype, device="meta"
+        ).requires_grad_(leaf.requires_grad)
+        if isinstance(leaf, torch.Tensor)
+        else leaf
+        for leaf in leaves
+    ]
+    return compat.tree_unflatten(meta, spec)

@@ -38,7 +38,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from matepoint._checkpoint import checkpoint
-from matepoint._guard import BudgetGuard, CudaMemory
+from matepoint._guard import BudgetGuard, CudaMemory, meta_batch
 from matepoint._options import configure
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.live_model import plan_prepared
@@ -253,7 +253,7 @@ def enable_hf_gradient_checkpointing(
         >>> model.train()  # doctest: +SKIP
     """
     replan = functools.partial(
-        _replan_hf, model, checkpoint_kwargs, example_batch, optimizer, loss_fn, device
+        _replan_hf, model, checkpoint_kwargs, meta_batch(example_batch), optimizer, loss_fn, device
     )
     if budget is not None:
         budget_plan = replan(budget, budget_plan)
@@ -438,8 +438,10 @@ def checkpoint_wrapper(
         assert budget_plan is not None
         apply = functools.partial(_apply_wrapped, [wrapper], checkpoint_kwargs)
 
+        batch = meta_batch(example_batch)
+
         def replan(total: int) -> BudgetPlan:
-            return _planned(module, wrap, total, None, example_batch, optimizer, loss_fn, device)
+            return _planned(module, wrap, total, None, batch, optimizer, loss_fn, device)
 
         _attach_guard(wrapper, budget_plan, optimizer, replan, apply)
     return wrapper
@@ -518,8 +520,9 @@ def apply_matepoint_checkpointing(
     wrappers = _wrap_blocks(model, check_fn, auto_wrap_policy, budget_plan, checkpoint_kwargs)
     if budget is not None and guard:
         assert budget_plan is not None
+        batch = meta_batch(example_batch)
         replan = functools.partial(
-            _replan_wrapped, model, checkpoint_kwargs, example_batch, optimizer, loss_fn, device
+            _replan_wrapped, model, checkpoint_kwargs, batch, optimizer, loss_fn, device
         )
         apply = functools.partial(_apply_wrapped, wrappers, checkpoint_kwargs)
         _attach_guard(model, budget_plan, optimizer, replan, apply)
