@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import pickle
 import warnings
 import weakref
 from typing import Any
@@ -392,3 +393,18 @@ def test_the_guard_dies_with_its_model_and_keeps_no_batch() -> None:
     gc.collect()
     assert model_ref() is None
     assert guard_ref() is None
+
+
+@needs_plans
+def test_a_copy_of_a_guarded_model_carries_no_guard() -> None:
+    model, _blocks, guard = _guarded()
+    (hook,) = model._forward_pre_hooks.values()
+    # Its hook pickles (torch.save of the whole model) as one that guards nothing.
+    assert pickle.loads(pickle.dumps(hook)).guard is None
+    twin = copy.deepcopy(model)
+    assert matepoint.budget_guard(twin) is None
+    guard.memory = memory = SimulatedMemory(1 << 40)  # any reading would warn
+    for _ in range(2):
+        twin(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+    assert memory.resets == 0
+    assert matepoint.budget_guard(model) is guard

@@ -293,16 +293,7 @@ class BudgetGuard:
         """Read each step at the root module's next training forward; :func:`budget_guard`
         finds the guard by ``model``. Returns the guard."""
         self.remove()
-        guard, root = self, weakref.ref(model)
-
-        def before_forward(module: nn.Module, _args: Any) -> None:
-            # The meta twin of a re-plan shares this hook (a function deep-copies as itself).
-            if module is not root() or guard._in_step:
-                return
-            if module.training and torch.is_grad_enabled() and guard.watching:
-                guard.check()
-
-        self._handle = model.register_forward_pre_hook(before_forward)
+        self._handle = model.register_forward_pre_hook(_GuardHook(self, model))
         _GUARDS[model] = weakref.ref(self)
         return self
 
@@ -314,6 +305,25 @@ class BudgetGuard:
         for model, guard in list(_GUARDS.items()):
             if guard() is self:
                 del _GUARDS[model]
+
+
+class _GuardHook:
+    """The root module's forward pre-hook: read the previous step. A copy of it (in the meta
+    twin of a re-plan, or in a pickled model) is inert: it guards no model."""
+
+    def __init__(self, guard: BudgetGuard | None = None, model: nn.Module | None = None) -> None:
+        self.guard = guard
+        self.root = None if model is None else weakref.ref(model)
+
+    def __call__(self, module: nn.Module, _args: Any) -> None:
+        guard = self.guard
+        if guard is None or self.root is None or module is not self.root() or guard._in_step:
+            return
+        if module.training and torch.is_grad_enabled() and guard.watching:
+            guard.check()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_GuardHook, ())
 
 
 def budget_guard(model: nn.Module) -> BudgetGuard | None:
