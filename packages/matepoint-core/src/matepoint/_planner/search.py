@@ -1,7 +1,7 @@
 """The fastest step that fits a device-memory budget: keep, offload or recompute each kind of op.
 
 A checkpointed step recomputes every activation of its regions in backward, a large share of a
-transformer's step (docs/budget.md); keeping what is expensive to recompute buys that time back
+transformer's step (docs/benchmarks.md); keeping what is expensive to recompute buys that time back
 with device memory, and offloading it buys it back with link time that forward's compute can
 hide. :func:`fastest_under` chooses, per kind of op inside the checkpointed regions (Note [Op
 kinds] in ``matepoint._planner.op_kinds``), one of the three, in every region or keeping in the
@@ -101,7 +101,7 @@ Note [The stash]
 Note [Measured finalists]
     Rule 1. The time model's least certain term is the policy's host cost: how much of it the
         device's work hides depends on the host's speed and the model's op sizes
-        (docs/budget.md). Given ``measure``, the search does not decide on that estimate (Note
+        (docs/benchmarks.md). Given ``measure``, the search does not decide on that estimate (Note
         [The budget search], rule 7).
     Rule 2. Where it found a plan with a policy, it hands two finalists to ``measure``: that
         plan and the best without a policy, each with the checkpoint inputs held on the device

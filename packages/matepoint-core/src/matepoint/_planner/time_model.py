@@ -59,7 +59,7 @@ DEFAULT_LINK_BANDWIDTH = 55e9
 # FLOP/s: dense bf16 peak of an H100 / H200.
 DEFAULT_PEAK_FLOPS = 989e12
 # Host seconds a selective-checkpoint policy adds to one op (torch dispatches every op of a
-# region through a Python mode); docs/budget.md has the measurements behind it.
+# region through a Python mode); docs/benchmarks.md has the measurements behind it.
 DEFAULT_POLICY_SECONDS_PER_OP = 10e-6
 # Host seconds an eager op costs with no policy (Python, dispatch, the kernel's launch): what the
 # device's work must outlast for a step to be bound by the device, not the host. calibrate()

@@ -210,7 +210,7 @@ def measure_finalists(
 
     One warm-up round, then ``rounds``: a plan with a selective policy is host-bound in
     stretches on a fast device (its step runs at either of two speeds, the slower one for
-    several steps in a row; docs/budget.md), and 8 rounds fell in one such stretch and chose
+    several steps in a row; docs/benchmarks.md), and 8 rounds fell in one such stretch and chose
     the slower finalist. A finalist's time is a reference finalist's median step
     times the median of its per-round ratios to that reference (the pairing the other
     strategies are compared with; a median of each one's own times mixes the host's drift into
