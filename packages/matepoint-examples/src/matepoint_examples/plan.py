@@ -36,6 +36,7 @@ from rich.table import Table
 
 import matepoint
 import matepoint._planner.policy as matepoint_policy
+from matepoint._planner.live_model import size_in_bytes
 from matepoint_examples._planning import OPTIMIZERS, optimizer_states, plan_workload
 from matepoint_examples._runtime import format_bytes
 from matepoint_examples._workloads import WORKLOADS, Workload, get_workload
@@ -271,19 +272,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _SIZE_FORMAT = "a size such as 40GiB, 12.5GB, 512MiB, 8e9B (bytes), or 24 (a bare number is GiB)"
-_UNITS = {
-    "": 1 << 30,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE = re.compile(r"\s*([-+]?[0-9.]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 _SIZE_FLAGS = ("--budget", "--host-budget")
 
 
@@ -295,12 +283,7 @@ def _size(flag: str, zero: bool = False) -> Callable[[str], int]:
     """
 
     def parse(text: str) -> int:
-        match = _SIZE.fullmatch(text)
-        unit = _UNITS.get(match[2].lower()) if match else None
-        try:
-            value = float(match[1]) * unit if match and unit else math.nan
-        except ValueError:  # "1.2.3"
-            value = math.nan
+        value = size_in_bytes(text, bare_unit=1 << 30)
         if math.isnan(value):
             reason = "is not a size"
         elif not math.isfinite(value):
@@ -368,7 +351,8 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
             before = words[max(index - 2, 0) : index]
             if before[-1:] and "=" in before[-1]:  # --budget=10 GB
                 before = before[-1].split("=", 1)
-            if unit and unit.lower() in _UNITS and len(before) == 2 and before[0] in _SIZE_FLAGS:
+            known_unit = bool(unit) and not math.isnan(size_in_bytes(f"1{unit}"))
+            if known_unit and len(before) == 2 and before[0] in _SIZE_FLAGS:
                 flag, number = before
                 message += f"; {flag} takes {_SIZE_FORMAT}, in one word: {flag} {number}{unit}"
                 break

@@ -45,6 +45,7 @@ __all__ = [
     "plan_budget",
     "plan_prepared",
     "ranks_per_node",
+    "size_in_bytes",
 ]
 
 # The share of what a CUDA device can give the process that budget="auto" leaves out. A plan
@@ -66,8 +67,22 @@ _UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
-_BUDGET = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*([-+]?[0-9.]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 _FORMAT = 'bytes (an int), a string such as "40GiB" or "12.5GB", or "auto"'
+
+
+def size_in_bytes(text: str, bare_unit: int = 1) -> float:
+    """``text`` ("40GiB", "12.5GB", "8e9") as bytes, unchecked; NaN where it is no size.
+
+    A number without a unit counts ``bare_unit`` bytes. The value may be negative, zero or
+    infinite: callers say which sizes they take (the budget here, the planning command's flags).
+    """
+    match = _SIZE.fullmatch(text)
+    unit = (_UNITS.get(match[2].lower()) if match[2] else bare_unit) if match else None
+    try:
+        return float(match[1]) * unit if match and unit else math.nan
+    except ValueError:  # "1.2.3"
+        return math.nan
 
 
 def budget_bytes_of(budget: object, device: torch.device) -> int:
@@ -83,10 +98,9 @@ def budget_bytes_of(budget: object, device: torch.device) -> int:
     if isinstance(budget, str) and budget.strip().lower() == "auto":
         return _auto_bytes(device)
     if isinstance(budget, str):
-        match = _BUDGET.fullmatch(budget)
-        if match is None or match.group(2).lower() not in _UNITS:
+        value = size_in_bytes(budget)
+        if math.isnan(value):
             raise ValueError(f"budget {budget!r} is malformed; give {_FORMAT}")
-        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
     elif isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(f"budget takes {_FORMAT}, got {type(budget).__name__}")
     else:
