@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -174,8 +175,25 @@ def test_auto_is_a_clear_error_off_cuda() -> None:
 def test_auto_is_what_the_device_can_give_less_the_margin(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 << 30)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
     got = live_model.budget_bytes_of("AUTO", torch.device("cuda", 0))
     assert got == int((12 << 30) * (1 - live_model.AUTO_MARGIN))
+
+
+@pytest.mark.parametrize(("fraction", "expected"), [(0.1, 8 << 30), (0.5, 12 << 30)])
+def test_auto_stays_under_the_per_process_memory_fraction(
+    monkeypatch: pytest.MonkeyPatch, fraction: float, expected: int
+) -> None:
+    # torch.cuda.set_per_process_memory_fraction(0.1) on an 80 GiB device caps the allocator at
+    # 8 GiB, though 12 GiB are free or already held: "auto" plans to the smaller.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 << 30)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30)
+    )
+    got = live_model.budget_bytes_of("auto", torch.device("cuda", 0))
+    assert got == int(expected * (1 - live_model.AUTO_MARGIN))
 
 
 def test_ranks_per_node_come_from_torch_distributed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ __all__ = [
     "device_module",
     "new_event",
     "new_stream",
+    "per_process_memory_cap",
     "set_current_stream",
     "storage_use_count",
     "stream_context",
@@ -124,3 +125,22 @@ def storage_use_count(tensor: torch.Tensor) -> int | None:
         return None
     # The Python storage object made for the query holds one reference of its own.
     return int(use_count(tensor.untyped_storage()._cdata)) - 1
+
+
+def per_process_memory_cap(device: torch.device) -> int | None:
+    """The bytes the caching allocator may hold on CUDA ``device``, or None without a cap.
+
+    ``torch.cuda.set_per_process_memory_fraction`` caps what this process's allocator may hold
+    at that fraction of the device's memory; a plan for "what this device can give" must stay
+    under it. torch reads the fraction back with ``torch.cuda.get_per_process_memory_fraction``
+    (from 2.6 on); where a release lacks it, the cap cannot be read and this says None, so a
+    caller plans to the device's free memory. The shim can go when torch 2.6 is the oldest
+    supported release.
+    """
+    read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if read is None:
+        return None
+    fraction = float(read(device))
+    if fraction >= 1.0:
+        return None
+    return int(fraction * torch.cuda.get_device_properties(device).total_memory)

@@ -89,7 +89,8 @@ def budget_bytes_of(budget: object, device: torch.device) -> int:
     """``budget`` as whole bytes: a number of bytes, a string with a unit, or ``"auto"``.
 
     ``"auto"`` is what the CUDA ``device`` can give this process (its free memory and what
-    the process already holds there) less :data:`AUTO_MARGIN` of it.
+    the process already holds there, at most the cap ``torch.cuda.set_per_process_memory_fraction``
+    set) less :data:`AUTO_MARGIN` of it.
 
     Raises:
         TypeError: For a budget that is neither a number nor a string.
@@ -121,6 +122,11 @@ def _auto_bytes(device: torch.device) -> int:
     # What the process's caching allocator holds counts as used in mem_get_info, but the
     # planned step (parameters and gradients included) may use it.
     available = free + torch.cuda.memory_reserved(device)
+    # A cap set with torch.cuda.set_per_process_memory_fraction bounds what the allocator may
+    # hold, free memory beside it or not.
+    cap = compat.per_process_memory_cap(device)
+    if cap is not None:
+        available = min(available, cap)
     return int(available * (1 - AUTO_MARGIN))
 
 
@@ -236,8 +242,9 @@ def plan_budget(
             (``matepoint._planner.optimizer_states``); None counts none.
         budget: Device memory the whole step may use, the optimizer's states included: bytes,
             a string such as ``"40GiB"`` or ``"12.5GB"``, or ``"auto"``, what the model's
-            CUDA device can give this process less :data:`AUTO_MARGIN` of it for the caching
-            allocator's fragmentation. Default: ``"auto"``.
+            CUDA device can give this process (within its per-process memory fraction) less
+            :data:`AUTO_MARGIN` of it for the caching allocator's fragmentation.
+            Default: ``"auto"``.
         loss_fn: Turns the model's output into the loss. Default: the output's ``loss`` where
             it has one (a transformers model given labels), else the output if a scalar, else
             the sum of its elements.
