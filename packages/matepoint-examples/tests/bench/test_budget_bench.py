@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -14,6 +15,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
+from matepoint._planner.optimizer_states import optimizer_state_bytes
 from matepoint_examples.bench import _budget_runner as budget_runner
 from matepoint_examples.bench import budget
 from matepoint_examples.bench._budget_report import print_report
@@ -36,7 +38,7 @@ def test_the_selective_peers_save_exactly_their_kinds() -> None:
 
 
 def test_the_peers_of_a_workload_are_named_and_runnable_on_a_cpu() -> None:
-    functions = budget._checkpoint_fns(budget.WORKLOADS["llama-tiny"])
+    functions = budget.checkpoint_fns(budget.WORKLOADS["llama-tiny"])
     assert set(functions) == {
         "torch",
         "matepoint",
@@ -44,7 +46,7 @@ def test_the_peers_of_a_workload_are_named_and_runnable_on_a_cpu() -> None:
         "sac-attention-down",
         "sac-every-matmul",
     }
-    assert tuple(functions) == budget._EAGER_STRATEGIES  # --twin's choices
+    assert tuple(functions) == budget.EAGER_STRATEGIES  # --twin's choices
     x = torch.randn(2, 3, requires_grad=True)
     for function in functions.values():
         assert torch.equal(function(torch.sin, x), torch.sin(x))
@@ -62,15 +64,57 @@ def test_budget_sizes_and_names_resolve_against_the_measured_peaks() -> None:
     assert budget.parse_bytes("512MiB") == 512 << 20
     assert budget.parse_bytes("4096") == 4096
     peaks = {"torch": 100, "none": 300}
-    assert budget._budgets(["torch", "mid", "1KiB"], peaks) == {
+    cpu = torch.device("cpu")
+    assert budget._budgets(["torch", "mid", "1KiB"], peaks, cpu) == {
         "budget@torch": 100,
         "budget@mid": 200,
         "budget@1KiB": 1024,
     }
     # torch's checkpoint ran out of memory under a cap: only the fixed budget is left.
-    assert budget._budgets(["torch", "mid", "1KiB"], {"torch": -1, "none": -1}) == {
+    assert budget._budgets(["torch", "mid", "1KiB"], {"torch": -1, "none": -1}, cpu) == {
         "budget@1KiB": 1024
     }
+    # "auto" reads a CUDA device: off one it is refused before anything runs.
+    with pytest.raises(ValueError, match="CUDA"):
+        budget._budgets(["auto"], peaks, cpu)
+
+
+@pytest.mark.parametrize("text", ["0", "-5GiB", "inf", "ten", "10 parsecs"])
+def test_a_size_flag_that_is_no_size_is_a_usage_error(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="no size"):
+        budget.parse_bytes(text)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "nanochat12", "hf-llama16"])
+def test_the_one_call_takes_each_workloads_batch_and_loss(name: str) -> None:
+    """plan_budget on the live model (built on the meta device here, a GPU's in the benchmark)
+    makes the plan the benchmark's own search makes without measuring, at the same budget less
+    the optimizer's states it counts itself."""
+    if name.startswith("hf"):
+        pytest.importorskip("transformers")
+    workload = budget.WORKLOADS[name]
+    runner = budget_runner.Runner(workload, device="meta")
+    memory_plan = budget._plan(workload)
+    states = optimizer_state_bytes(runner.optimizer)
+    total = (memory_plan["torch"].peak_bytes + memory_plan["none"].peak_bytes) // 2 + states
+    one_call = budget_runner.plan_one_call(runner, total, None)
+    assert one_call.budget_bytes == total - states
+    searched = memory_plan.fastest_under(total - states)
+    # The twin of a transformers model holds one small tensor more than the model built on
+    # the meta device (a 512-byte block at its baseline); nothing else differs.
+    assert one_call.peak_bytes == pytest.approx(searched.peak_bytes, abs=4096)
+    assert (one_call.checkpoint, one_call.decisions, one_call.kept_in_last) == (
+        searched.checkpoint,
+        searched.decisions,
+        searched.kept_in_last,
+    )
+
+
+def test_a_plan_that_checkpoints_nothing_runs_the_blocks_as_they_are() -> None:
+    memory_plan = budget._plan(budget.WORKLOADS["llama-tiny"])
+    plan = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 4)
+    assert not plan.checkpoint
+    assert budget.plan_checkpoint_fn(plan) is budget_runner.no_checkpoint
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "nanochat12"])

@@ -40,7 +40,7 @@ def measured() -> budget_runner.Alternated:
     # A policy: the selective step, the one a fast host shows.
     assert plan.context_fn() is not torch_checkpoint.noop_context_fn
     runner = budget_runner.Runner(workload, device="cpu")
-    strategies: dict[str, Any] = dict(budget._checkpoint_fns(workload))
+    strategies: dict[str, Any] = dict(budget.checkpoint_fns(workload))
     strategies[PLAN] = budget.plan_checkpoint_fn(plan)
     runner.settings[PLAN] = plan.settings_changes()
     return budget_runner.alternate(runner, strategies, rounds=ROUNDS, warmup=1)
@@ -49,7 +49,7 @@ def measured() -> budget_runner.Alternated:
 def test_every_strategy_has_a_host_time_each_round_within_its_step(
     measured: budget_runner.Alternated,
 ) -> None:
-    assert set(measured.host_times) == {*budget._EAGER_STRATEGIES, PLAN}
+    assert set(measured.host_times) == {*budget.EAGER_STRATEGIES, PLAN}
     for name, hosts in measured.host_times.items():
         steps = measured.times[name]
         assert len(hosts) == len(steps) == ROUNDS, name

@@ -39,7 +39,7 @@ def test_a_peer_over_the_budget_is_not_the_one_to_beat() -> None:
         "none": [0.80, 0.88, 0.72, 0.80],
         "sac-attention-down": [1.02, 1.12, 0.92, 1.02],
         "budget@mid": [0.97, 1.07, 0.87, 0.97],
-        "budget@mid model": [0.99, 1.09, 0.89, 0.99],
+        "one-call@mid": [0.99, 1.09, 0.89, 0.99],
     }
     peaks = {
         "torch": 9 * GIB,
@@ -47,7 +47,7 @@ def test_a_peer_over_the_budget_is_not_the_one_to_beat() -> None:
         "none": 20 * GIB,
         "sac-attention-down": 10 * GIB,
         "budget@mid": int(14.2 * GIB),
-        "budget@mid model": 9 * GIB,
+        "one-call@mid": 9 * GIB,
     }
     verdict = verdicts(_plans(14.45, 14.2), times, peaks, {})["budget@mid"]
     assert verdict["within_budget"]
@@ -239,3 +239,20 @@ def test_host_fields_pair_each_rounds_host_time_with_its_own_step() -> None:
     assert fields["host_to_step_q3"] == pytest.approx(0.95)
     assert host_fields([None, None], [None, None]) == {}
     assert host_fields([0.1], []) == {"step_time_s": pytest.approx(0.1)}
+
+
+def test_a_one_call_plan_is_judged_and_paired_with_the_measured_plan() -> None:
+    # The one call's plan is no peer of the plans; beside its standing it gets its paired
+    # ratio to the plan made with measured finalists at its budget.
+    times = {
+        "torch": [1.00, 1.10, 0.90, 1.00],
+        "none": [0.80, 0.88, 0.72, 0.80],
+        "budget@mid": [0.90, 0.99, 0.81, 0.90],
+        "one-call@mid": [0.909, 1.0, 0.818, 0.909],
+    }
+    peaks = {"torch": 9 * GIB, "none": 20 * GIB, "budget@mid": 12 * GIB, "one-call@mid": 12 * GIB}
+    plans = {**_plans(14, 12), **_plans(14, 12, name="one-call@mid")}
+    judged = verdicts(plans, times, peaks, {})
+    assert judged["one-call@mid"]["fitting_peers"] == ["torch"]
+    assert judged["one-call@mid"]["to_measured_plan"] == pytest.approx(1.01, abs=1e-3)
+    assert "to_measured_plan" not in judged["budget@mid"]

@@ -178,10 +178,16 @@ def meta_twin(model: nn.Module) -> nn.Module:
 def _meta_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The batch on the meta device, as positional and keyword arguments of the model."""
     leaves, spec = compat.tree_flatten(batch)
-    meta = [
-        _meta_like(leaf).requires_grad_(leaf.requires_grad) if isinstance(leaf, Tensor) else leaf
-        for leaf in leaves
-    ]
+    # One tensor given twice (a transformers batch's input_ids as its labels) is one tensor on
+    # the meta device too: the step holds it once.
+    twins: dict[int, Tensor] = {}
+    meta = []
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            if id(leaf) not in twins:
+                twins[id(leaf)] = _meta_like(leaf).requires_grad_(leaf.requires_grad)
+            leaf = twins[id(leaf)]
+        meta.append(leaf)
     batch = compat.tree_unflatten(meta, spec)
     if isinstance(batch, Tensor):
         return (batch,), {}

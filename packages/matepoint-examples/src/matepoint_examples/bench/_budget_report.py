@@ -22,6 +22,7 @@ from matepoint_examples.bench._report import ratio_cell
 
 __all__ = [
     "HOST_BOUND_FRACTION",
+    "ONE_CALL_PREFIX",
     "TWIN_SUFFIX",
     "host_fields",
     "is_peer",
@@ -34,6 +35,10 @@ _GIB = float(1 << 30)
 # A strategy's twin: the same strategy run a second time each round, a control of the run's
 # noise (the twin's paired ratio to the strategy would be 1 on a quiet host).
 TWIN_SUFFIX = " twin"
+
+# A budget plan made by the one call a user makes (matepoint.plan_budget), beside the
+# benchmark's own plan at the same budget (its finalists measured).
+ONE_CALL_PREFIX = "one-call@"
 
 HOST_BOUND_FRACTION = 0.9
 """A step whose host time is at least this fraction of its step time is host-bound.
@@ -88,7 +93,8 @@ def host_fields(
 
 def is_peer(name: str) -> bool:
     """Whether strategy ``name`` is an eager peer of the plans (not a plan, compiled or a twin)."""
-    return not name.startswith(("budget@", "compiled")) and not name.endswith(TWIN_SUFFIX)
+    plans = ("budget@", ONE_CALL_PREFIX, "compiled")
+    return not name.startswith(plans) and not name.endswith(TWIN_SUFFIX)
 
 
 def verdicts(
@@ -123,7 +129,9 @@ def verdicts(
         quartiles) beside the plan's: how far apart the same strategy measures in this run.
         With ``host_times``: ``host_to_step`` (the plan's median per-round host time over its
         step time), ``host_bound`` (that median at least :data:`HOST_BOUND_FRACTION`) and,
-        where there is a fastest peer, ``fastest_peer_host_to_step`` (the same, for it).
+        where there is a fastest peer, ``fastest_peer_host_to_step`` (the same, for it). A
+        one-call plan (``one-call@X``) also gets its paired ratio to ``budget@X``, the plan made
+        with measured finalists at its budget (``to_measured_plan`` and its quartiles).
     """
 
     def host_to_step(name: str) -> float | None:
@@ -173,6 +181,11 @@ def verdicts(
                 result.update(twin_to_peer=median, twin_to_peer_q1=q1, twin_to_peer_q3=q3)
             if host_to_step(fastest) is not None:
                 result["fastest_peer_host_to_step"] = host_to_step(fastest)
+        measured_plan = "budget@" + name.removeprefix(ONE_CALL_PREFIX)
+        paired = ran_every_round(name) and ran_every_round(measured_plan)
+        if name.startswith(ONE_CALL_PREFIX) and paired:
+            q1, median, q3 = quartiles(per_round_ratios(times, measured_plan)[name])
+            result.update(to_measured_plan=median, to_measured_plan_q1=q1, to_measured_plan_q3=q3)
         ratio = host_to_step(name)
         if ratio is not None:
             result.update(host_to_step=ratio, host_bound=ratio >= HOST_BOUND_FRACTION)
@@ -207,6 +220,13 @@ def _verdict_line(name: str, verdict: Mapping[str, Any]) -> str:
                 verdict["twin_to_peer"], verdict["twin_to_peer_q1"], verdict["twin_to_peer_q3"]
             )
             standing += f"; its twin: {twin}"
+    if "to_measured_plan" in verdict:
+        cell = ratio_cell(
+            verdict["to_measured_plan"],
+            verdict["to_measured_plan_q1"],
+            verdict["to_measured_plan_q3"],
+        )
+        standing += f"; to the plan with measured finalists: {cell}"
     if verdict.get("host_bound"):
         standing += f"; host-bound: host {verdict['host_to_step']:.2f} of its step"
         if "fastest_peer_host_to_step" in verdict:

@@ -31,6 +31,7 @@ __all__ = [
     "measure_finalists",
     "no_checkpoint",
     "plan_checkpoint_fn",
+    "plan_one_call",
 ]
 
 
@@ -197,10 +198,39 @@ def alternate(
 
 
 def plan_checkpoint_fn(plan: matepoint.BudgetPlan) -> CheckpointFn:
-    """``matepoint.checkpoint`` with ``plan``'s policy (its settings go to ``Runner.settings``)."""
+    """``matepoint.checkpoint`` with ``plan``'s policy (its settings go to ``Runner.settings``);
+    the blocks run as they are where the plan checkpoints nothing (``plan.checkpoint``)."""
+    if not plan.checkpoint:
+        return no_checkpoint
     return functools.partial(
         matepoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn()
     )
+
+
+def plan_one_call(
+    runner: Runner, budget: int | str, device: matepoint.DeviceModel | None
+) -> matepoint.BudgetPlan:
+    """The plan a user gets in one call: :func:`matepoint.plan_budget` on the live model.
+
+    The runner's model, with every block run by ``matepoint.checkpoint``, its inputs and its
+    AdamW: the optimizer's states are counted by ``plan_budget`` itself (from the states the
+    runner's first step made), the budget is the whole step's (``"auto"`` included), and no
+    step is measured (no ``measure=``).
+    """
+    workload = runner.workload
+    workload.set_checkpoint(
+        runner.model, functools.partial(matepoint.checkpoint, use_reentrant=False)
+    )
+    batch, loss_fn = workload.one_call(runner.inputs)
+    with workload.planning():
+        return matepoint.plan_budget(
+            runner.model,
+            batch,
+            optimizer=runner.optimizer,
+            budget=budget,
+            loss_fn=loss_fn,
+            device=device,
+        )
 
 
 def measure_finalists(

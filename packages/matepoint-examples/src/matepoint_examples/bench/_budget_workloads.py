@@ -41,6 +41,9 @@ class BudgetWorkload:
             peers: (every projection, the MLP's down projection).
         hf: Whether it is a Hugging Face model (checkpointed through its own layers).
         planning: The context the model is planned in on the meta device.
+        one_call: The inputs as ``matepoint.plan_budget`` takes them (the model's positional
+            arguments, or its keyword arguments as a dict) and the loss of the model's output
+            (None where the output is the loss, or has one: a transformers model's).
     """
 
     build: Callable[[], tuple[nn.Module, tuple[Tensor, ...]]]
@@ -49,6 +52,13 @@ class BudgetWorkload:
     set_checkpoint: Callable[[nn.Module, CheckpointFn], None] = _set_checkpoint_fn
     hf: bool = False
     planning: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    one_call: Callable[[tuple[Tensor, ...]], tuple[Any, Callable[[Any], Tensor] | None]] = (
+        lambda inputs: (inputs, None)
+    )
+
+
+def _mean_square(output: Tensor) -> Tensor:
+    return output.float().square().mean()
 
 
 def _llama(config: LlamaConfig, batch: int) -> BudgetWorkload:
@@ -63,8 +73,9 @@ def _llama(config: LlamaConfig, batch: int) -> BudgetWorkload:
     )
     return BudgetWorkload(
         build=build,
-        loss=lambda model, inputs: model(*inputs).float().square().mean(),
+        loss=lambda model, inputs: _mean_square(model(*inputs)),
         projections=(every, f"matmul {f}x{d}"),
+        one_call=lambda inputs: (inputs, _mean_square),
     )
 
 
@@ -124,6 +135,7 @@ def _hf_llama(
         projections=(every, f"matmul {ffn_width}x{width}"),
         hf=True,
         planning=_one_sequence_per_row,
+        one_call=lambda inputs: ({"input_ids": inputs[0], "labels": inputs[0]}, None),
     )
 
 

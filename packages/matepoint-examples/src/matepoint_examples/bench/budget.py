@@ -4,11 +4,13 @@ Run ``matepoint-bench budget --workload llama8`` (or ``python -m
 matepoint_examples.bench.budget``). One process builds one model (a Llama-style stack, nanochat12,
 or a Hugging Face Llama) and one AdamW optimizer, measures torch's checkpoint and no checkpoint
 once, plans a budget step on the meta device for each budget (``--budgets``: torch checkpoint's
-measured peak, halfway to no checkpoint's, or a fixed size such as ``24GiB``; ``--device-memory
-24GiB`` caps the process there with ``torch.cuda.set_per_process_memory_fraction``) with the
-search's two finalists measured on the GPU (Note [Measured finalists] in
-``matepoint._planner.search``; where the time model alone would have chosen otherwise, its plan
-runs too, as ``budget@... model``), then runs every strategy alternately, step by step (see
+measured peak, halfway to no checkpoint's, ``auto`` or a fixed size such as ``24GiB``;
+``--device-memory 24GiB`` caps the process there with
+``torch.cuda.set_per_process_memory_fraction``) with the search's two finalists measured on the
+GPU (Note [Measured finalists] in ``matepoint._planner.search``). Beside each, as
+``one-call@...``, runs the plan a user gets from the one call, ``matepoint.plan_budget`` on the
+live model with its optimizer and the same budget, no step measured; its verdict also gives its
+paired ratio to the measured plan. Then it runs every strategy alternately, step by step (see
 ``matepoint_examples.bench._paired`` for why), and reports per strategy the median per-round step
 ratio to torch's checkpoint [interquartile range], its median step time and host time (what issuing
 a step costs the host, before the synchronize that ends it) with their ratio, the measured peak,
@@ -41,18 +43,20 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor
 
 import matepoint
-from matepoint._planner.op_kinds import op_kind
+from matepoint._planner.live_model import budget_bytes_of, size_in_bytes
+from matepoint._planner.optimizer_states import optimizer_state_bytes
 from matepoint_examples.bench._budget_report import (
+    ONE_CALL_PREFIX,
     TWIN_SUFFIX,
     host_fields,
     plot_frontier,
@@ -64,8 +68,15 @@ from matepoint_examples.bench._budget_runner import (
     Runner,
     alternate,
     measure_finalists,
-    no_checkpoint,
     plan_checkpoint_fn,
+    plan_one_call,
+)
+from matepoint_examples.bench._budget_strategies import (
+    EAGER_STRATEGIES,
+    add_compiled,
+    checkpoint_fns,
+    engine_variants,
+    selective_policy,
 )
 from matepoint_examples.bench._budget_workloads import WORKLOADS, BudgetWorkload, CheckpointFn
 from matepoint_examples.bench._paired import per_round_ratios, quartiles
@@ -81,48 +92,15 @@ __all__ = [
 
 
 def parse_bytes(text: str) -> int:
-    """``"24GiB"``, ``"1.5GB"``, ``"512MiB"`` or a plain number of bytes."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}
-    lowered = text.strip().lower()
-    for unit, scale in sorted(units.items(), key=lambda item: -len(item[0])):
-        if lowered.endswith(unit):
-            return int(float(lowered[: -len(unit)]) * scale)
-    return int(float(lowered))
+    """``"24GiB"``, ``"1.5GB"``, ``"512MiB"`` or a plain number of bytes (``argparse`` type).
 
-
-def selective_policy(saved_kinds: frozenset[str]) -> Callable[..., Any]:
-    """torch's selective checkpoint saving the ops of ``saved_kinds`` (``matepoint`` op kinds)."""
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        del ctx, kwargs
-        if op_kind(func, args) in saved_kinds:
-            return torch_checkpoint.CheckpointPolicy.MUST_SAVE
-        return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-# The eager strategies every run measures (``_checkpoint_fns``).
-_EAGER_STRATEGIES = ("torch", "matepoint", "none", "sac-attention-down", "sac-every-matmul")
-
-
-def _checkpoint_fns(workload: BudgetWorkload) -> dict[str, CheckpointFn]:
-    every_matmul, down = workload.projections
-    sac = functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)
-
-    def selective(kinds: frozenset[str]) -> CheckpointFn:
-        context_fn = functools.partial(
-            torch_checkpoint.create_selective_checkpoint_contexts, selective_policy(kinds)
-        )
-        return functools.partial(sac, context_fn=context_fn)
-
-    return {
-        "torch": sac,
-        "matepoint": functools.partial(matepoint.checkpoint, use_reentrant=False),
-        "none": no_checkpoint,
-        "sac-attention-down": selective(frozenset({"attention", down})),
-        "sac-every-matmul": selective(frozenset({"attention", *every_matmul})),
-    }
+    Raises:
+        argparse.ArgumentTypeError: For what is not a positive, finite size.
+    """
+    value = size_in_bytes(text)
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is no size: give bytes or e.g. 24GiB, 1.5GB")
+    return int(value)
 
 
 def _choice(plan: matepoint.BudgetPlan) -> tuple[Any, ...]:
@@ -145,38 +123,37 @@ def _plan(workload: BudgetWorkload) -> matepoint.MemoryPlan:
     return matepoint.plan(step, *inputs)
 
 
-def _budgets(names: Sequence[str], peaks: dict[str, int]) -> dict[str, int]:
-    """``torch`` / ``mid`` / a size -> the budget in bytes (skipping what ran out of memory)."""
-    budgets: dict[str, int] = {}
+def _budgets(
+    names: Sequence[str], peaks: dict[str, int], device: torch.device
+) -> dict[str, int | str]:
+    """``torch`` / ``mid`` / ``auto`` / a size -> the budget (skipping what ran out of memory).
+
+    ``auto`` stays a word: the one call reads it itself (``matepoint.plan_budget``).
+    """
+    budgets: dict[str, int | str] = {}
     for name in names:
         if name == "torch" and peaks["torch"] > 0:
             budgets["budget@torch"] = peaks["torch"]
         elif name == "mid" and min(peaks.values()) > 0:
             budgets["budget@mid"] = (peaks["torch"] + peaks["none"]) // 2
+        elif name == "auto":
+            budget_bytes_of(name, device)  # a clear error off CUDA, before anything runs
+            budgets["budget@auto"] = "auto"
         elif name not in ("torch", "mid"):
             budgets[f"budget@{name}"] = parse_bytes(name)
     return budgets
 
 
-def engine_variants(name: str, plan: matepoint.BudgetPlan) -> dict[str, CheckpointFn]:
-    """The plan's policy run by torch's checkpoint, and by matepoint's with ``offload=False``.
-
-    Beside the plan (matepoint's checkpoint with its policy and settings), they tell the
-    engines' costs apart from the policy's: ``{name} on torch`` is torch's checkpoint with the
-    plan's ``context_fn``, ``{name} offload off`` matepoint's call offloading nothing (torch's
-    checkpoint reached through matepoint). Each has its own ``context_fn`` (each counts the
-    regions of the calls it serves: Note [A plan's regions]). None for a plan without a policy
-    (its ``context_fn`` is torch's ``noop_context_fn``).
-    """
-    if plan.context_fn() is torch_checkpoint.noop_context_fn:
-        return {}
+def _plan_fields(plan: matepoint.BudgetPlan, predicted: Callable[[int], int]) -> dict[str, Any]:
+    """What a report keeps of a plan: its choice, predictions and estimate."""
     return {
-        f"{name} on torch": functools.partial(
-            torch_checkpoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn()
-        ),
-        f"{name} offload off": functools.partial(
-            matepoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn(), offload=False
-        ),
+        "checkpoint": plan.checkpoint,
+        "decisions": dict(plan.decisions),
+        "kept_in_last": dict(plan.kept_in_last),
+        "settings": plan.settings_changes(),
+        "predicted_peak_bytes": predicted(plan.peak_bytes),
+        "smallest_budget_bytes": predicted(plan.smallest_budget_bytes),
+        "estimated_step_ratio": plan.step_seconds / plan.every_block_seconds,
     }
 
 
@@ -229,7 +206,7 @@ def run(
     """
     workload = WORKLOADS[workload_name]
     runner = Runner(workload)
-    strategies: dict[str, CheckpointFn | None] = dict(_checkpoint_fns(workload))
+    strategies: dict[str, CheckpointFn | None] = dict(checkpoint_fns(workload))
     if twin is not None:
         strategies[twin + TWIN_SUFFIX] = strategies[twin]
     measured_peaks: dict[str, int] = {}
@@ -250,61 +227,40 @@ def run(
     # The time model's rates, measured on this device (cached per device and torch).
     device_model = matepoint.calibrate(refresh=True)
     print(device_model, flush=True)
-    budgets = _budgets(budget_names, measured_peaks)
+    budgets = _budgets(budget_names, measured_peaks, runner.device)
     plans: dict[str, dict[str, Any]] = {}
     for name, budget in budgets.items():
-        # The time model's own choice, then the search again with its finalists measured here.
-        started = time.perf_counter()
-        model_plan = memory_plan.fastest_under(budget - states, device=device_model)
-        search_seconds = time.perf_counter() - started
+        total = budget if isinstance(budget, int) else budget_bytes_of(budget, runner.device)
         budget_plan = memory_plan.fastest_under(
-            budget - states, device=device_model, measure=measure_finalists(runner)
+            total - states, device=device_model, measure=measure_finalists(runner)
         )
         plans[name] = {
-            "budget_bytes": budget,
+            "budget_bytes": total,
             "fits": budget_plan.fits,
-            "model_decisions": dict(model_plan.decisions),
-            "model_kept_in_last": dict(model_plan.kept_in_last),
             "measured_finalist_seconds": list(budget_plan.measured_seconds),
-            "decisions": dict(budget_plan.decisions),
-            "kept_in_last": dict(budget_plan.kept_in_last),
-            "settings": budget_plan.settings_changes(),
-            "predicted_peak_bytes": predicted(budget_plan.peak_bytes),
-            "smallest_budget_bytes": predicted(budget_plan.smallest_budget_bytes),
-            "estimated_step_ratio": budget_plan.step_seconds / budget_plan.every_block_seconds,
-            "search_seconds": search_seconds,
+            **_plan_fields(budget_plan, predicted),
         }
         print(budget_plan, flush=True)
         strategies[name] = plan_checkpoint_fn(budget_plan)
         runner.settings[name] = budget_plan.settings_changes()
         if engines:
             strategies.update(engine_variants(name, budget_plan))
-        if _choice(model_plan) != _choice(budget_plan):
-            strategies[f"{name} model"] = plan_checkpoint_fn(model_plan)
-            runner.settings[f"{name} model"] = model_plan.settings_changes()
-        if compiled and min(measured_peaks.values()) > 0:
-            # torch's knob is a fraction of what recomputing nothing would hold.
-            span = measured_peaks["none"] - measured_peaks["torch"]
-            fraction = min(1.0, max(0.0, (budget - measured_peaks["torch"]) / span))
-            label = f"compiled-amb@{name.removeprefix('budget@')}"
-            runner.add_compiled(label, fraction)
-            strategies[label] = None
-            plans[name]["compiled_activation_memory_budget"] = fraction
-        elif compiled:
-            print(
-                f"{name}: no compiled activation_memory_budget: torch's checkpoint or no "
-                "checkpoint ran out of memory, and its knob is a fraction of the way between "
-                "their peaks",
-                flush=True,
-            )
+        # The one call a user makes: plan_budget on the live model, no step measured.
+        one_call_name = ONE_CALL_PREFIX + name.removeprefix("budget@")
+        started = time.perf_counter()
+        one_call = plan_one_call(runner, budget, device_model)
+        plans[one_call_name] = {
+            "budget_bytes": one_call.budget_bytes + optimizer_state_bytes(runner.optimizer),
+            "fits": one_call.fits,
+            "planning_seconds": time.perf_counter() - started,
+            "same_choice_as_measured": _choice(one_call) == _choice(budget_plan),
+            **_plan_fields(one_call, predicted),
+        }
+        print(one_call, flush=True)
+        strategies[one_call_name] = plan_checkpoint_fn(one_call)
+        runner.settings[one_call_name] = one_call.settings_changes()
         if compiled:
-            # The plan under matepoint's compiled path: torch's compiled selective checkpointing
-            # takes its policy (offload values as save: docs/selective.md), matepoint moves the
-            # checkpoint inputs.
-            label = f"compiled-plan@{name.removeprefix('budget@')}"
-            runner.add_compiled(label)
-            strategies[label] = plan_checkpoint_fn(budget_plan)
-            runner.settings[label] = {**budget_plan.settings_changes(), "compiled_offload": True}
+            add_compiled(runner, strategies, plans, name, budget_plan, measured_peaks)
     measured = alternate(runner, strategies, rounds, warmup)
     planned_peaks = {
         name: predicted(memory_plan[name].peak_bytes) for name in ("torch", "none", "matepoint")
@@ -358,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--twin",
-        choices=sorted(_EAGER_STRATEGIES),
+        choices=sorted(EAGER_STRATEGIES),
         default=None,
         help="run this eager strategy twice each round: the verdict's control of the run's noise",
     )
