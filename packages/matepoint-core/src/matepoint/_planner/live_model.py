@@ -14,8 +14,10 @@ Note [The meta twin]
         step makes the live step's checkpoint calls, in the same order (the plan's regions,
         Note [A plan's regions] in ``matepoint._planner.policy``). It is put in training mode:
         a training step is what is planned.
-    Rule 3. A parameter that is a tensor subclass (FSDP2's ``DTensor`` shards) has no meta
-        twin made from its shape alone: planning refuses it; plan before ``fully_shard``.
+    Rule 3. A model wrapped by FSDP2's ``fully_shard`` is twinned as the model it wraps, its
+        ``DTensor`` shards as whole meta parameters, and planned per rank (Note [A sharded
+        model's twin] in ``matepoint._planner.sharded_twin``). Any other tensor subclass has no
+        meta twin made from its shape alone: planning refuses it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.memory_plan import plan
 from matepoint._planner.optimizer_states import optimizer_state_bytes
 from matepoint._planner.policy import AVAILABLE
+from matepoint._planner.sharded_twin import (
+    is_shard,
+    is_sharded,
+    per_rank,
+    plain_twin,
+    rank_correction,
+    rank_view,
+)
 from matepoint._planner.step import _loss_of
 from matepoint._planner.time_model import DeviceModel
 
@@ -147,11 +157,11 @@ def _meta_like(tensor: Tensor) -> Tensor:
 
 def _refuse_subclass(name: str, tensor: Tensor) -> None:
     """See Note [The meta twin], rule 3."""
-    if type(tensor) not in (Tensor, nn.Parameter):
+    if type(tensor) not in (Tensor, nn.Parameter) and not is_shard(tensor):
         raise TypeError(
-            f"cannot plan {name}: it is a {type(tensor).__name__}, not a plain tensor (FSDP2's "
-            "fully_shard makes DTensor shards); plan the model before sharding it, with the "
-            "same blocks wrapped"
+            f"cannot plan {name}: it is a {type(tensor).__name__}, neither a plain tensor nor "
+            "a DTensor (FSDP2's fully_shard makes those, and they are planned per rank); plan "
+            "the model without it, with the same blocks wrapped"
         )
 
 
@@ -172,6 +182,8 @@ def meta_twin(model: nn.Module) -> nn.Module:
         for value in vars(module).values():
             if isinstance(value, Tensor) and id(value) not in memo:
                 memo[id(value)] = _meta_like(value)
+    if is_sharded(model):
+        return plain_twin(model, memo)  # See Note [The meta twin], rule 3.
     return copy.deepcopy(model, memo)
 
 
@@ -233,13 +245,18 @@ def plan_budget(
     in ``matepoint._planner.live_model``), so it allocates no device memory and changes
     nothing of the model; it subtracts the optimizer's states from the budget, takes the ranks
     per node from ``torch.distributed``, and runs :meth:`matepoint.MemoryPlan.fastest_under`.
+    A model wrapped by FSDP2 (``fully_shard``) is planned per rank: its twin is the unsharded
+    model, and the planned figures are corrected to one rank's shards and what FSDP2 gathers
+    beside them, counted at most, so that the plan never holds less than a rank does (Note [A
+    sharded model's twin] in ``matepoint._planner.sharded_twin``).
 
     Apply the plan with ``matepoint.configure(**plan.settings_changes())`` and
     ``context_fn=plan.context_fn(i)`` on block ``i``'s checkpoint call (the planned step's
     ``i``-th), or let the integrations plan and apply it (``budget=``).
 
     Args:
-        model: The model as it trains; its parameters may be on any device.
+        model: The model as it trains; its parameters may be on any device, and its blocks
+            may be wrapped by FSDP2's ``fully_shard``.
         example_batch: One batch: a tensor, a tuple of the model's positional arguments or a
             dict of its keyword arguments (``{"input_ids": ids, "labels": ids}``). Only its
             shapes and dtypes are read.
@@ -259,15 +276,19 @@ def plan_budget(
         device: The time model's rates (:func:`matepoint.calibrate`). Default: an H200's.
 
     Returns:
-        The plan; its ``budget_bytes`` is the budget less the optimizer's states.
+        The plan; its ``budget_bytes`` is the budget less the optimizer's states. For an FSDP2
+        model its ``budget_bytes``, ``peak_bytes`` and ``smallest_budget_bytes`` are one
+        rank's (its shards, their optimizer states, and FSDP2's gathered parameters and
+        gradient buffers at most), and its ``strategy_plan`` is the unsharded twin's step.
 
     Raises:
         RuntimeError: Before torch 2.5, which has no selective checkpointing.
-        TypeError: For a budget or batch of the wrong type; for a sharded (FSDP2) model; for
-            an optimizer whose states cannot be counted before its first step.
+        TypeError: For a budget or batch of the wrong type; for a parameter of a tensor
+            subclass other than FSDP2's ``DTensor``; for an optimizer whose states cannot be
+            counted before its first step.
         ValueError: For a zero, negative or malformed budget, ``"auto"`` off CUDA,
-            optimizer states that take the whole budget, or a model whose step makes no
-            ``matepoint.checkpoint`` call.
+            optimizer states (with FSDP2's buffers) that take the whole budget, or a model
+            whose step makes no ``matepoint.checkpoint`` call.
 
     Example:
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
@@ -305,11 +326,24 @@ def plan_prepared(
             f"this is torch {torch.__version__}"
         )
     total = budget_bytes_of(budget, _device_of(model, example_batch))
-    states = 0 if optimizer is None else optimizer_state_bytes(optimizer)
+    sharded = any(is_shard(parameter) for parameter in model.parameters())
+    states = (
+        0
+        if optimizer is None
+        else optimizer_state_bytes(rank_view(optimizer) if sharded else optimizer)
+    )
     if states >= total:
         raise ValueError(
             f"the optimizer's states take {states} bytes, the whole budget of {total}: "
             "nothing is left for the step"
+        )
+    # See Note [A sharded model's twin], rule 3: 0 for a model without DTensor parameters.
+    correction = rank_correction(model) if sharded else 0
+    if total - states + correction < 1:
+        raise ValueError(
+            f"the optimizer's states ({states} bytes) and what FSDP2 gathers beside one rank's "
+            f"shards ({-correction} bytes at most) take the whole budget of {total}: nothing "
+            "is left for the step"
         )
     args, kwargs = _meta_batch(example_batch)
     twin = meta_twin(model).train()
@@ -324,9 +358,10 @@ def plan_prepared(
             "nothing to decide: checkpoint its blocks first (matepoint.checkpoint in its "
             "forward, or matepoint.integrations), or pass budget= to an integration"
         )
-    return memory_plan.fastest_under(
-        total - states,
+    chosen = memory_plan.fastest_under(
+        total - states + correction,
         host_budget_bytes=host_budget_bytes,
         ranks_per_node=ranks_per_node(),
         device=device,
     )
+    return per_rank(chosen, correction)
