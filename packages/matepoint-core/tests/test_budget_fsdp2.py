@@ -67,15 +67,16 @@ class Stack(nn.Module):
         return x
 
 
-def _sharded(model: Stack) -> Stack:
-    """``model`` with every block, then the whole, wrapped by ``fully_shard`` on all ranks."""
+def _sharded(model: Stack, **block_options: Any) -> Stack:
+    """``model`` with every block (with ``block_options``), then the whole, wrapped by
+    ``fully_shard`` on all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
     assert FSDP is not None
     fully_shard = FSDP[1]
     mesh = init_device_mesh("cpu", (distributed.get_world_size(),))
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, **block_options)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -201,6 +202,16 @@ def test_gradients_and_optimizer_states_of_shards_count_as_one_rank_holds_them()
     assert plan.budget_bytes == plain_plan.budget_bytes
     assert plan.decisions == plain_plan.decisions
     assert plan.peak_bytes == plain_plan.peak_bytes + 4 * BLOCK_BYTES
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_blocks_that_stay_gathered_after_forward_count_whole_beside_their_shards() -> None:
+    # See Note [A sharded model's twin], rule 2: one rank's shards are the whole parameters,
+    # and FSDP2 holds twice the largest block's gathered parameters and gradients beside them.
+    assert sharded_twin.rank_correction(_sharded(Stack())) == -4 * BLOCK_BYTES
+    # Every block's gathered parameters too, from forward to their backward.
+    kept = _sharded(Stack(), reshard_after_forward=False)
+    assert sharded_twin.rank_correction(kept) == -(BLOCKS + 4) * BLOCK_BYTES
 
 
 def _two_ranks(rank: int, folder: str) -> None:

@@ -31,7 +31,8 @@ Note [A sharded model's twin]
         and gradients cover their shards, and rule 2 adds every buffer FSDP2 holds beside them
         at most. It over-counts: the largest group stands for every group, and the twin
         computes in the parameters' dtype where a ``MixedPrecisionPolicy`` computes in a
-        narrower one (a ``param_dtype`` wider than the parameters' is not planned).
+        narrower one. A ``param_dtype`` or ``reduce_dtype`` wider than the parameters' is not
+        planned: its gathers or gradient buffers are counted in the parameters' dtype.
     Rule 5. A rank's optimizer states are those of its shards: they are counted from the
         local tensors of every ``DTensor`` parameter and state.
     Example: four equal blocks of ``B`` bytes on two ranks, no gradients before the step:
