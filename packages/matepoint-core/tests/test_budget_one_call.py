@@ -24,7 +24,8 @@ import matepoint.integrations as mi
 import matepoint_compat as compat
 from matepoint import DeviceModel
 from matepoint._planner import live_model, policy
-from matepoint._planner.optimizer_states import optimizer_state_bytes
+from matepoint._planner.optimizer_states import optimizer_state_bytes, optimizer_step_bytes
+from matepoint._planner.trace import ALLOCATION_GRANULARITY, round_up
 from matepoint.testing import CPUTestTransport
 
 needs_plans = pytest.mark.skipif(not policy.AVAILABLE, reason="budget plans need torch 2.5")
@@ -260,6 +261,40 @@ def test_the_budget_left_is_the_budget_less_the_optimizer_states() -> None:
     assert none.budget_bytes == 1 << 30
     with pytest.raises(ValueError, match="whole budget"):
         matepoint.plan_budget(model, torch.randn(*SHAPE), optimizer=adamw, budget=1024)
+
+
+@needs_plans
+def test_the_optimizer_step_counts_and_a_budget_under_it_fits_nothing() -> None:
+    # Wide layers and one row of input: the parameters, not the activations, make the step's
+    # peak. On the meta device (planned as a GPU's) AdamW's default is its foreach loop.
+    def plan_of(budget: int | str) -> matepoint.BudgetPlan:
+        with torch.device("meta"):
+            model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(2)])
+        return mi.apply_matepoint_checkpointing(
+            model,
+            lambda module: isinstance(module, nn.Linear),
+            budget=budget,
+            example_batch=torch.randn(1, 4096, device="meta"),
+            optimizer=torch.optim.AdamW(model.parameters()),
+        )
+
+    with torch.device("meta"):
+        weights = [nn.Parameter(torch.empty(4096, 4096)) for _ in range(2)]
+    adamw = torch.optim.AdamW(weights)
+    held = 2 * sum(round_up(p.nbytes, ALLOCATION_GRANULARITY) for p in weights)
+    step = held + optimizer_step_bytes(adamw)
+    roomy = plan_of(budget="10GiB")
+    assert roomy.fits
+    assert roomy.optimizer_step_bytes == step
+    # Forward and backward fit in their planned peak; the optimizer step's temporaries beside
+    # the parameters and gradients do not: nothing fits, whatever the batch.
+    assert roomy.peak_bytes < step
+    states = optimizer_state_bytes(adamw)
+    plan = plan_of(budget=roomy.peak_bytes + states)
+    assert not plan.fits
+    assert plan.batch_fraction == 0
+    assert plan.smallest_budget_bytes == step
+    assert "the optimizer step alone exceeds the budget" in str(plan)
 
 
 @needs_plans

@@ -186,6 +186,11 @@ class BudgetGuard:
         self._in_step = False
         self._handle: Any = None
 
+    def _predicted(self, plan: BudgetPlan) -> int:
+        """A plan's predicted step peak: forward and backward's or the optimizer step's
+        (``BudgetPlan.optimizer_step_bytes``), the optimizer's states beside either."""
+        return max(plan.peak_bytes, plan.optimizer_step_bytes) + self.states_bytes
+
     @property
     def watching(self) -> bool:
         """Whether the next step is read (See Note [The budget guard], rule 3)."""
@@ -209,7 +214,7 @@ class BudgetGuard:
             return None
         assert self.memory is not None
         reading = GuardReading(
-            self.memory.peak_bytes(), self.plan.peak_bytes + self.states_bytes, self.budget_bytes
+            self.memory.peak_bytes(), self._predicted(self.plan), self.budget_bytes
         )
         self.readings.append(reading)
         self._read += 1
@@ -240,8 +245,7 @@ class BudgetGuard:
             return
         warnings.warn(
             f"{message}; planned again at {_gib(target)}: the {describe(plan)}, predicted "
-            f"{_gib(plan.peak_bytes + self.states_bytes)}"
-            + ("" if plan.fits else ", which does NOT fit"),
+            f"{_gib(self._predicted(plan))}" + ("" if plan.fits else ", which does NOT fit"),
             BudgetOvershootWarning,
             stacklevel=3,
         )
@@ -281,12 +285,12 @@ class BudgetGuard:
         return BudgetOutOfMemoryError(
             f"out of memory in a step under the {describe(self.plan)}: its budget is "
             f"{_gib(self.budget_bytes)} and its predicted peak "
-            f"{_gib(self.plan.peak_bytes + self.states_bytes)} ({first}). The gradients were "
+            f"{_gib(self._predicted(self.plan))} ({first}). The gradients were "
             "set to None and the next step can run; plan at a smaller budget, or give the "
             "device more room (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)",
             plan=self.plan,
             budget_bytes=self.budget_bytes,
-            predicted_bytes=self.plan.peak_bytes + self.states_bytes,
+            predicted_bytes=self._predicted(self.plan),
         )
 
     def attach(self, model: nn.Module) -> BudgetGuard:

@@ -67,8 +67,13 @@ class BudgetPlan:
             is then empty and ``strategy_plan`` is that step's.
         batch_fraction: Where nothing fits, the share of the example batch that would, the
             activation memory of the least peak planned taken as proportional to the batch (0:
-            parameters and gradients alone exceed the budget; None: no activation memory);
-            None where the plan fits.
+            parameters and gradients alone, or the optimizer step, exceed the budget; None: no
+            activation memory); None where the plan fits.
+        optimizer_step_bytes: What the optimizer step holds beyond its states: the
+            parameters, their gradients and the step's own temporaries (Note [The optimizer
+            step's temporaries]). The step fits only where this does too: no plan of forward
+            and backward makes it smaller. 0 where no optimizer was counted
+            (:meth:`matepoint.MemoryPlan.fastest_under` plans forward and backward alone).
     """
 
     budget_bytes: int
@@ -89,6 +94,7 @@ class BudgetPlan:
     measured_seconds: tuple[float, ...] = ()
     checkpoint: bool = True
     batch_fraction: float | None = None
+    optimizer_step_bytes: int = 0
 
     def policy(self, region: int = 0) -> Callable[..., Any]:
         """A selective-checkpoint policy for one checkpoint call: ``policy(ctx, op, *args)``.
@@ -196,7 +202,13 @@ class BudgetPlan:
             lines.append(
                 f"  the smallest budget that fits: {self.smallest_budget_bytes / _GIB:.2f} GiB"
             )
-            if self.batch_fraction == 0:
+            if self.optimizer_step_bytes > self.budget_bytes:
+                lines.append(
+                    "  the optimizer step alone exceeds the budget, whatever the batch: it "
+                    f"holds {self.optimizer_step_bytes / _GIB:.2f} GiB beside its states "
+                    "(parameters, gradients and its temporaries)"
+                )
+            elif self.batch_fraction == 0:
                 lines.append(
                     "  parameters and gradients alone exceed the budget, whatever the batch"
                 )

@@ -23,6 +23,7 @@ Note [The meta twin]
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import re
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 import matepoint_compat as compat
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.memory_plan import plan
-from matepoint._planner.optimizer_states import optimizer_state_bytes
+from matepoint._planner.optimizer_states import optimizer_state_bytes, optimizer_step_bytes
 from matepoint._planner.policy import AVAILABLE
 from matepoint._planner.sharded_twin import (
     is_shard,
@@ -47,6 +48,7 @@ from matepoint._planner.sharded_twin import (
 )
 from matepoint._planner.step import _loss_of
 from matepoint._planner.time_model import DeviceModel
+from matepoint._planner.trace import ALLOCATION_GRANULARITY, round_up
 
 __all__ = [
     "AUTO_MARGIN",
@@ -364,4 +366,38 @@ def plan_prepared(
         ranks_per_node=ranks_per_node(),
         device=device,
     )
-    return per_rank(chosen, correction)
+    counted = optimizer if optimizer is None or not sharded else rank_view(optimizer)
+    return with_optimizer_step(per_rank(chosen, correction), model, counted)
+
+
+def _held_bytes(tensor: Tensor) -> int:
+    """One rank's bytes of ``tensor`` (a DTensor's local shard), as the allocator rounds them."""
+    local = tensor.to_local() if is_shard(tensor) else tensor  # type: ignore[attr-defined]
+    return round_up(local.numel() * local.element_size(), ALLOCATION_GRANULARITY)
+
+
+def with_optimizer_step(
+    budget_plan: BudgetPlan, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> BudgetPlan:
+    """``budget_plan`` with the optimizer step counted: it fits only where that step does.
+
+    The optimizer step holds, beside its states, every parameter, the gradients of those that
+    train and its own temporaries (:func:`optimizer_step_bytes`), whatever forward and backward
+    did: a budget below that runs out of memory in ``optimizer.step()``, so no plan fits it.
+    """
+    if optimizer is None:
+        return budget_plan
+    parameters = list(model.parameters())
+    held = sum(_held_bytes(parameter) for parameter in parameters) + sum(
+        _held_bytes(parameter) for parameter in parameters if parameter.requires_grad
+    )
+    step_bytes = held + optimizer_step_bytes(optimizer)
+    if step_bytes <= budget_plan.budget_bytes:
+        return dataclasses.replace(budget_plan, optimizer_step_bytes=step_bytes)
+    return dataclasses.replace(
+        budget_plan,
+        optimizer_step_bytes=step_bytes,
+        fits=False,
+        smallest_budget_bytes=max(budget_plan.smallest_budget_bytes, step_bytes),
+        batch_fraction=0.0,
+    )
