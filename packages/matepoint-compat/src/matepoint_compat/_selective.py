@@ -37,7 +37,12 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_map
 
-__all__ = ["SELECTIVE_OFFLOAD_POLICIES", "never_offloading", "offloading_selective_contexts"]
+__all__ = [
+    "SELECTIVE_OFFLOAD_POLICIES",
+    "never_offloading",
+    "offloading_selective_contexts",
+    "tracing_ops",
+]
 
 # ``CheckpointPolicy`` gained the two offload values in torch 2.11 (pytorch/pytorch#172705);
 # they are looked up rather than gated on the version, so the map is empty before them (and on
@@ -59,6 +64,29 @@ _CachedMode: type[Any] = getattr(torch_checkpoint, "_CachedTorchDispatchMode", o
 _VersionWrapper: type[Any] | None = getattr(torch_checkpoint, "_VersionWrapper", None)
 _storage_key: Callable[..., Any] = getattr(torch_checkpoint, "_sac_storage_key", lambda op, _: op)
 _is_compiling: Callable[..., bool] = getattr(torch_checkpoint, "_is_compiling", lambda *_: False)
+
+# The dispatch modes of the tracers that compile or export ops: torch's own selective checkpoint
+# asks for the proxy mode (``_is_compiling``) to know it is traced; a fake-tensor mode is there
+# while Dynamo runs a checkpoint's ``context_fn``. Every supported release has both keys.
+_get_dispatch_mode: Callable[..., Any] | None = getattr(torch._C, "_get_dispatch_mode", None)
+_MODE_KEYS: Any = getattr(torch._C, "_TorchDispatchModeKey", None)
+_TRACING_MODES: tuple[Any, ...] = tuple(
+    getattr(_MODE_KEYS, name) for name in ("PROXY", "FAKE") if hasattr(_MODE_KEYS, name)
+)
+
+
+def tracing_ops() -> bool:
+    """Whether the ops run now are traced (``torch.compile``, export, a fake-tensor mode).
+
+    A ``context_fn`` called under a tracer shapes a compiled graph, where torch reads what its
+    selective-checkpoint modes tag; in eager mode the same modes only cost host time. True where
+    the release gives no way to tell, the answer that keeps the modes.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    if _get_dispatch_mode is None or len(_TRACING_MODES) < 2:
+        return True
+    return any(_get_dispatch_mode(key) is not None for key in _TRACING_MODES)
 
 
 _NO_KEY = object()

@@ -32,7 +32,7 @@ import torch
 import matepoint_compat as compat
 from matepoint._planner.trace import tensors_in
 
-__all__ = ["KindProfile", "RegionProfiler", "occurrence_class", "op_kind"]
+__all__ = ["KindProfile", "RegionProfiler", "named_kind", "occurrence_class", "op_kind"]
 
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
 # The matrix operands' positions: addmm and baddbmm take the bias first.
@@ -53,9 +53,24 @@ def _named_kind(packet: Any) -> str:
     return "matmul" if name in _MATMULS else "other"
 
 
+# Per op, by its id: the op and what its name says of its kind (_named_kind). Holding the op
+# keeps its id from naming another; an op lives as long as torch anyway. A policy asks for every
+# op of every region, and an op's attribute and its packet's hash each cost a Python call.
+_NAMED_KINDS: dict[int, tuple[Any, str]] = {}
+
+
+def named_kind(func: Any) -> str:
+    """What an op's name alone says of its kind: ``"attention"``, ``"matmul"`` or ``"bias
+    first"`` (matrix products), or ``"other"``."""
+    cached = _NAMED_KINDS.get(id(func))
+    if cached is None:
+        cached = _NAMED_KINDS[id(func)] = (func, _named_kind(func.overloadpacket))
+    return cached[1]
+
+
 def op_kind(func: Any, args: tuple[Any, ...]) -> str:
     """Name the kind of an op call from what a policy sees of it (Note [Op kinds], rules 1, 2)."""
-    named = _named_kind(func.overloadpacket)
+    named = named_kind(func)
     if named in ("matmul", "bias first"):
         left, right = (args[1], args[2]) if named == "bias first" else (args[0], args[1])
         if isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor):

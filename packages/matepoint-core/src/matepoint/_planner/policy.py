@@ -8,7 +8,6 @@ named by its block (Note [A plan's regions]).
 
 from __future__ import annotations
 
-import collections
 import itertools
 from collections.abc import Callable
 from typing import Any, Literal
@@ -16,17 +15,12 @@ from typing import Any, Literal
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint_compat as compat
-from matepoint._planner.op_kinds import _named_kind, occurrence_class, op_kind
+from matepoint._planner.op_kinds import named_kind, occurrence_class, op_kind
 
 __all__ = ["AVAILABLE", "OFFLOAD_AVAILABLE", "Decision", "context_fn_of", "policy_of"]
 
 Decision = Literal["keep", "offload", "recompute"]
 
-
-# The ids of the ops whose name alone makes them "other" (Note [Op kinds]): a plan's policy
-# answers them first, from the op alone, since it meets every op of every region in training's
-# hot path. An op's overload lives as long as torch, so its id names it for good.
-_OTHER_OPS: set[int] = set()
 
 # Torch's selective checkpointing (CheckpointPolicy, create_selective_checkpoint_contexts) came
 # with 2.5, its offload values with 2.11 (gate SELECTIVE_OFFLOAD_POLICIES): before 2.11 a plan
@@ -39,6 +33,14 @@ if AVAILABLE:
     _POLICY_VALUES["recompute"] = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 if OFFLOAD_AVAILABLE:
     _POLICY_VALUES["offload"] = torch_checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD
+
+# The ids of the ops whose name alone makes them "other" (Note [Op kinds]): a plan's policy
+# answers them first, from the op alone, since it meets every op of every region in training's
+# hot path. op_kinds holds each op it has named, so an id names its op for good.
+_OTHER_OPS: set[int] = set()
+
+# The mark of a policy that answers "recompute" for every op (Note [A plan's regions], rule 5).
+_RECOMPUTES_EVERYTHING = "_matepoint_recomputes_everything"
 
 
 def policy_of(
@@ -66,33 +68,79 @@ def policy_of(
             fresh one per planned step.
         Rule 4. A model that checkpoints a different number of regions from step to step needs
             a plan without ``kept_in_last``.
+        Rule 5. A region whose policy recomputes every op (one before the last ``k`` of a plan
+            that decides nothing else) runs without torch's selective-checkpoint modes: such a
+            policy saves what plain checkpointing saves, and the modes would cost the host a
+            Python call on every op of its forward and of its recomputation. Its policy is
+            still made, for the region's count; under a tracer (``torch.compile``, export, a
+            fake-tensor mode) the modes stay, since torch compiles a checkpoint by what they
+            tag.
     """
     kept = [name for name, last in kept_in_last.items() if region >= regions - last]
-    chosen: dict[str, Decision] = {**decisions, **dict.fromkeys(kept, "keep")}
-    # Ops of each kind seen so far in the region, in forward and in the recomputation apart
-    # (Note [Op kinds]).
-    seen: collections.Counter[tuple[bool, str]] = collections.Counter()
-    # A profile never ranks "other" (Note [Op kinds]): unless a plan names it, such an op, most
-    # of a region's, is recomputed without being counted, told apart by the op alone.
-    other_decided = any(name.split(" #")[0] == "other" for name in chosen)
+    table = _table_of({**decisions, **dict.fromkeys(kept, "keep")})
     recompute = _POLICY_VALUES["recompute"]
+    # Ops of each decided kind seen so far in the region, in forward and in the recomputation
+    # apart (Note [Op kinds], rule 3); a kind no class of which is decided needs no count.
+    seen_in_forward: dict[str, int] = {}
+    seen_in_recomputation: dict[str, int] = {}
+    # A profile never ranks "other" (Note [Op kinds]): unless a plan names it, such an op, most
+    # of a region's, is recomputed uncounted, told apart by the op alone.
+    skipped = frozenset() if "other" in table else _OTHER_OPS
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         del kwargs
-        if not other_decided and id(func) in _OTHER_OPS:
+        if id(func) in skipped:
             return recompute
         kind = op_kind(func, args)
-        if kind == "other" and not other_decided:
-            if _named_kind(func.overloadpacket) == "other":
+        decided = table.get(kind)
+        if decided is None:
+            if kind == "other" and named_kind(func) == "other":
                 _OTHER_OPS.add(id(func))
             return recompute
-        key = (bool(ctx.is_recompute), kind)
-        seen[key] += 1
-        decision = chosen.get(occurrence_class(kind, seen[key]), chosen.get(kind, "recompute"))
-        return _POLICY_VALUES[decision]
+        seen = seen_in_recomputation if ctx.is_recompute else seen_in_forward
+        occurrence = seen[kind] = seen.get(kind, 0) + 1
+        kind_value, occurrence_values = decided
+        return occurrence_values.get(occurrence, kind_value)
 
+    values = [
+        value
+        for kind_value, by_occurrence in table.values()
+        for value in (kind_value, *by_occurrence.values())
+    ]
+    if all(value is recompute for value in values):
+        policy.__dict__[_RECOMPUTES_EVERYTHING] = True
     # A plan that offloads nothing needs no offload wrapper around its contexts.
-    return policy if "offload" in chosen.values() else compat.never_offloading(policy)
+    offloads = _POLICY_VALUES.get("offload")
+    return policy if offloads in values else compat.never_offloading(policy)
+
+
+def _table_of(chosen: dict[str, Decision]) -> dict[str, tuple[Any, dict[int, Any]]]:
+    """A region's decisions as its policy reads them: per kind, the policy value of its ops,
+    and the values of its occurrences decided apart (Note [Op kinds], rule 3).
+
+    An op's class is its occurrence's where the plan names it, else its kind's, else it is
+    recomputed; the table answers that with two lookups and no name made per op.
+    """
+    table: dict[str, tuple[Any, dict[int, Any]]] = {}
+    for name in chosen:
+        kind, separator, number = name.rpartition(" #")
+        if not (separator and number.isdecimal() and occurrence_class(kind, int(number)) == name):
+            kind = name
+        if kind not in table:
+            table[kind] = (_POLICY_VALUES[chosen.get(kind, "recompute")], {})
+        if kind != name:
+            table[kind][1][int(number)] = _POLICY_VALUES[chosen[name]]
+    return table
+
+
+def _contexts(policy: Callable[..., Any]) -> Any:
+    """torch's selective-checkpoint contexts around ``policy``; none where it recomputes every
+    op and no tracer sees the ops (See Note [A plan's regions], rule 5)."""
+    if getattr(policy, _RECOMPUTES_EVERYTHING, False) and not compat.tracing_ops():
+        return torch_checkpoint.noop_context_fn()  # type: ignore[no-untyped-call]
+    return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
+        policy
+    )
 
 
 def context_fn_of(
@@ -114,17 +162,13 @@ def context_fn_of(
         fixed = region
 
         def region_context_fn() -> Any:
-            return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-                policy_of(decisions, kept_in_last, regions, fixed)
-            )
+            return _contexts(policy_of(decisions, kept_in_last, regions, fixed))
 
         return region_context_fn
     calls = itertools.count()
 
     def context_fn() -> Any:
         counted = next(calls) % regions  # See Note [A plan's regions], rule 3
-        return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-            policy_of(decisions, kept_in_last, regions, counted)
-        )
+        return _contexts(policy_of(decisions, kept_in_last, regions, counted))
 
     return context_fn
