@@ -489,10 +489,13 @@ def test_measured_finalists_decide_whatever_the_time_model_says(
 
     def measure(plans: Any) -> list[float]:
         given.append(tuple(plans))
-        return [0.5, 0.7] if policy_faster else [0.7, 0.5]
+        return [0.5, 0.7, 0.9] if policy_faster else [0.7, 0.5, 0.9]
 
     budget = memory_plan.fastest_under(roomy, device=device, measure=measure)
-    [(with_policy, without)] = given
+    # The step without a checkpoint fits this budget: it is the third finalist (rule 2).
+    [(with_policy, without, unchecked)] = given
+    assert not unchecked.checkpoint
+    assert unchecked.fits
     assert with_policy.decisions
     assert with_policy.context_fn() is not torch.utils.checkpoint.noop_context_fn
     assert without.decisions == ()
@@ -502,20 +505,38 @@ def test_measured_finalists_decide_whatever_the_time_model_says(
     assert dataclasses.replace(budget, measured_seconds=()) == (
         with_policy if policy_faster else without
     )
-    assert budget.measured_seconds == (0.5, 0.7)
-    assert "measured 500.0 ms against 700.0 ms" in str(budget)
+    assert budget.measured_seconds == (0.5, 0.7, 0.9)
+    assert "measured 500.0 ms against 700.0 ms, 900.0 ms for the other finalists" in str(budget)
+
+
+def test_the_step_without_a_checkpoint_is_a_finalist_where_it_fits() -> None:
+    """Note [Measured finalists], rule 2: measured fastest, the step without any checkpoint is
+    the plan; where it does not fit, it is no finalist."""
+    memory_plan = _plan()
+    roomy = memory_plan["none"].peak_bytes * 2
+    budget = memory_plan.fastest_under(roomy, device=FREE_POLICY, measure=lambda _: [0.7, 0.6, 0.5])
+    assert not budget.checkpoint
+    assert budget.measured_seconds == (0.5, 0.7, 0.6)
+    given: list[int] = []
+    tight = (memory_plan["none"].peak_bytes + memory_plan["matepoint"].peak_bytes) // 2
+    memory_plan.fastest_under(
+        tight,
+        device=FREE_POLICY,
+        measure=lambda plans: given.append(len(plans)) or [0.5] * len(plans),
+    )
+    assert given in ([], [2])
 
 
 @pytest.mark.parametrize("out_of_memory", [0, 1], ids=["policy-plan", "plain-plan"])
 def test_a_finalist_that_could_not_run_is_never_chosen(out_of_memory: int) -> None:
     memory_plan = _plan()
-    times = [0.5, 0.5]
+    times = [0.5, 0.5, float("inf")]  # the step without a checkpoint could not run either
     times[out_of_memory] = float("inf")
     budget = memory_plan.fastest_under(
         memory_plan["none"].peak_bytes * 2, device=FREE_POLICY, measure=lambda _: times
     )
     assert bool(budget.decisions) == (out_of_memory == 1)
-    assert budget.measured_seconds == (0.5, float("inf"))
+    assert budget.measured_seconds == (0.5, float("inf"), float("inf"))
 
 
 def test_nothing_is_measured_when_the_search_found_no_policy_to_try() -> None:
@@ -537,7 +558,7 @@ def test_nothing_is_measured_when_the_search_found_no_policy_to_try() -> None:
         ([1.0, 0.0], "must return one positive step time"),
         ([1.0, float("nan")], "must return one positive step time"),
         ([1.0, -2.0], "must return one positive step time"),
-        ([float("inf")] * 2, "could run none of the 2 plans"),
+        ([float("inf")] * 3, "could run none of the 3 plans"),
     ],
 )
 def test_a_measure_that_returns_no_time_per_plan_is_named(

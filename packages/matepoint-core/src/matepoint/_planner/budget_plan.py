@@ -193,10 +193,11 @@ class BudgetPlan:
         elif held := self._inputs_line():
             lines.append(held)
         if self.measured_seconds:
+            chosen, *others = (f"{value * 1e3:.1f} ms" for value in self.measured_seconds)
             lines.append(
-                "  measured "
-                + " against ".join(f"{value * 1e3:.1f} ms" for value in self.measured_seconds)
-                + " for the other finalist: chosen as the fastest"
+                f"  measured {chosen} against {', '.join(others)} for the other finalist"
+                + ("s" if len(others) > 1 else "")
+                + ": chosen as the fastest"
             )
         if not self.fits:
             lines.append(

@@ -105,9 +105,10 @@ Note [Measured finalists]
         [The budget search], rule 7).
     Rule 2. Where it found a plan with a policy, it hands two finalists to ``measure``: that
         plan and the best without a policy, each with the checkpoint inputs held on the device
-        where that fits (Note [The budget search], rule 6). ``measure`` times them on the real
-        model (``math.inf`` for one that could not run, out of memory), and the faster is
-        returned with the times.
+        where that fits (Note [The budget search], rule 6), and a third where the step without
+        any checkpoint fits (Note [The budget search], rule 10). ``measure`` times them on the
+        real model (``math.inf`` for one that could not run, out of memory), and the fastest
+        is returned with the times.
     Rule 3. A search that found no policy worth trying measures nothing.
 """
 
@@ -469,24 +470,29 @@ def _conclude(
     faster finalist measured (Note [The budget search], rules 7, 9 and 10; Note [Measured
     finalists])."""
     smallest = search.smallest  # the on-device tries of _budget_plan are never counted in it
+    unchecked: _Choice | None = None
+    if no_checkpoint is not None:
+        # No checkpoint: forward and backward, no recomputation and no policy.
+        trial = _timed(
+            no_checkpoint, plain.settings, search.device, search.budget, 2 * search.host_ops // 3
+        )
+        unchecked = _Choice(trial, checkpoint=False)
     if not (best.decisions or best.kept_in_last):  # Note [Measured finalists], rule 3
         measure = None
     if measure is not None:  # Note [Measured finalists], rule 2
-        finalists = (
+        finalists = [
             _budget_plan(search, search.charged(best), smallest),
             _budget_plan(search, _Choice(plain), smallest),
-        )
-        return _measured(finalists, measure)
+        ]
+        if unchecked is not None and unchecked.trial.fits:
+            finalists.append(_budget_plan(search, unchecked, smallest))
+        return _measured(tuple(finalists), measure)
     # Rule 9: every candidate planned, each with its policy's host cost; the step without a
     # policy first, so that a tie goes to it (rule 7), and without a checkpoint last (rule 10).
     candidates = [_Choice(plain), _Choice(search.every_block), search.charged(best)]
     candidates += [search.charged(tried) for tried in search.tried]
-    if no_checkpoint is not None:
-        # No checkpoint: forward and backward, no recomputation and no policy.
-        unchecked = _timed(
-            no_checkpoint, plain.settings, search.device, search.budget, 2 * search.host_ops // 3
-        )
-        candidates.append(_Choice(unchecked, checkpoint=False))
+    if unchecked is not None:
+        candidates.append(unchecked)
     fastest = decision.fastest([candidate.trial.outcome for candidate in candidates])
     return _budget_plan(search, candidates[0 if fastest is None else fastest], smallest)
 
