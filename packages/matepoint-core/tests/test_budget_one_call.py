@@ -362,6 +362,41 @@ def test_apply_with_a_budget_plans_and_applies_one_region_per_block(
 
 
 @needs_plans
+def test_a_plan_without_checkpoint_runs_the_blocks_as_they_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Room for the step without any checkpoint, which recomputes nothing and pays no policy:
+    # the integrations then run every block as it is, through any of them.
+    calls: list[int] = []
+    real = mi.checkpoint
+    monkeypatch.setattr(
+        mi, "checkpoint", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    )
+    model, reference = _stack(), _stack()
+    plan = mi.apply_matepoint_checkpointing(
+        model,
+        lambda m: isinstance(m, Block),
+        budget="1GiB",
+        example_batch=torch.randn(*SHAPE),
+        optimizer=torch.optim.AdamW(model.parameters()),
+    )
+    assert not plan.checkpoint
+    calls.clear()  # the twin's planned step ran matepoint's checkpoint
+    batch = torch.randn(*SHAPE)
+    model(batch).sum().backward()
+    reference(batch).sum().backward()
+    assert calls == []
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert ours.grad is not None
+        assert theirs.grad is not None
+        assert torch.equal(ours.grad, theirs.grad)
+    # The function the integrations install passes the block's own keywords on.
+    function = mi.matepoint_checkpoint_fn(plan, region=0)
+    assert function(lambda x, scale: x * scale, torch.ones(2), scale=3.0).tolist() == [3.0, 3.0]
+    assert function(torch.sin, torch.zeros(1), use_reentrant=False, preserve_rng_state=True) == 0
+
+
+@needs_plans
 def test_checkpoint_wrapper_with_a_budget_plans_the_module_alone(
     cpu_transport: CPUTestTransport,
 ) -> None:

@@ -76,7 +76,7 @@ def plan() -> matepoint.BudgetPlan:
     memory_plan = matepoint.plan(model, x)
     base = memory_plan.fastest_under(memory_plan["matepoint"].peak_bytes * 4)
     assert base.regions == BLOCKS
-    return dataclasses.replace(base, decisions=(), kept_in_last=((KIND, LAST),))
+    return dataclasses.replace(base, decisions=(), kept_in_last=((KIND, LAST),), checkpoint=True)
 
 
 class Recorder:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -64,6 +65,23 @@ class _Unset:
 _UNSET: Any = _Unset()
 
 
+# The keywords a checkpoint call takes for itself, matepoint's and torch's (preserve_rng_state
+# is read from torch's **kwargs); any other keyword goes to the checkpointed function.
+_CHECKPOINT_KEYWORDS = frozenset({"preserve_rng_state"}) | frozenset(
+    name
+    for signature in (inspect.signature(checkpoint), inspect.signature(torch_checkpoint.checkpoint))
+    for name, parameter in signature.parameters.items()
+    if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+    and name != "function"
+)
+
+
+def _without_checkpoint(function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Run a block as it is, where a plan checkpoints nothing (``BudgetPlan.checkpoint``
+    False): the call's own keywords are dropped, the function's passed on."""
+    return function(*args, **{k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYWORDS})
+
+
 def matepoint_checkpoint_fn(
     budget_plan: BudgetPlan | None = None, *, region: int | None = None, **checkpoint_kwargs: Any
 ) -> functools.partial[Any]:
@@ -93,7 +111,9 @@ def matepoint_checkpoint_fn(
         ValueError: For a region outside the plan's.
 
     Returns:
-        A ``functools.partial`` of :func:`matepoint.checkpoint`.
+        A ``functools.partial`` of :func:`matepoint.checkpoint`; of a function that runs the
+        block as it is where the plan checkpoints nothing (``budget_plan.checkpoint`` False:
+        the step without any checkpoint fits and is the fastest).
 
     Example:
         >>> import torch
@@ -106,6 +126,10 @@ def matepoint_checkpoint_fn(
     if budget_plan is not None:
         if "context_fn" in checkpoint_kwargs:
             raise TypeError("a budget_plan brings its own context_fn; pass one or the other")
+        if not budget_plan.checkpoint:
+            # The step without any checkpoint fits and is the fastest: run the blocks as they
+            # are (no recomputation, no policy, no hooks).
+            return functools.partial(_without_checkpoint)
         context_fn = budget_plan.context_fn(region)
         configure(**budget_plan.settings_changes())
         # A plan that decides nothing leaves the call without a context_fn, so the compiled

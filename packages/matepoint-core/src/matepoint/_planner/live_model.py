@@ -352,7 +352,7 @@ def plan_prepared(
     if prepare is not None:
         twin = prepare(twin) or twin
     memory_plan = plan(
-        twin, *args, loss_fn=loss_fn or _loss_or_sum, strategies=("matepoint",), **kwargs
+        twin, *args, loss_fn=loss_fn or _loss_or_sum, strategies=("matepoint", "none"), **kwargs
     )
     if not memory_plan.saves:
         raise ValueError(

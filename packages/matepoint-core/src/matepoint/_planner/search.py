@@ -58,9 +58,8 @@ Note [The budget search]
         than the one returned (rule 6's try, taken only where no slower, keeps it so).
     Rule 10. The step without any checkpoint (``MemoryPlan``'s ``"none"`` strategy) is a
         candidate where its peak fits: it recomputes nothing and pays no policy. Where it is the
-        fastest, the plan says so (``checkpoint`` False). Skipping the checkpoint of the last
-        blocks only is not a candidate yet: applying it needs the integrations to leave those
-        blocks unwrapped.
+        fastest, the plan says so (``checkpoint`` False), and the integrations then run every
+        block as it is. Skipping the checkpoint of the last blocks only is not a candidate yet.
     Rule 8. A step fits where its peak fits the device budget and its host side fits too: its
         pinned pool, times the node's ranks, within the host budget, and no pool that would
         raise (``on_pool_exhausted="raise"`` past ``pool_cap_bytes``). The smallest budget
