@@ -195,6 +195,16 @@ def test_auto_stays_under_the_per_process_memory_fraction(
     )
     got = live_model.budget_bytes_of("auto", torch.device("cuda", 0))
     assert got == int(expected * (1 - live_model.AUTO_MARGIN))
+    # A device without its number is the current one: torch reads a numbered device's only.
+    asked: list[object] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_per_process_memory_fraction",
+        lambda device: asked.append(device) or fraction,
+    )
+    assert live_model.budget_bytes_of("auto", torch.device("cuda")) == got
+    assert asked == [0]
 
 
 def test_ranks_per_node_come_from_torch_distributed(monkeypatch: pytest.MonkeyPatch) -> None:

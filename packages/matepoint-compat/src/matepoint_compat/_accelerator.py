@@ -140,7 +140,9 @@ def per_process_memory_cap(device: torch.device) -> int | None:
     read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if read is None:
         return None
-    fraction = float(read(device))
+    # torch reads the fraction of a numbered device only: "cuda" is the current one.
+    index = torch.cuda.current_device() if device.index is None else device.index
+    fraction = float(read(index))
     if fraction >= 1.0:
         return None
-    return int(fraction * torch.cuda.get_device_properties(device).total_memory)
+    return int(fraction * torch.cuda.get_device_properties(index).total_memory)
