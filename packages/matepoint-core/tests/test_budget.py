@@ -290,8 +290,9 @@ def test_the_step_time_hides_copies_under_compute_and_counts_the_rest() -> None:
     assert step_seconds(plan(10, 20, 5, 15), device, prefetch=0) == 45
     # The host's time overlaps the device's and counts only beyond it.
     host = dataclasses.replace(device, policy_seconds_per_op=0.5, host_seconds_per_op=1.0)
-    assert step_seconds(plan(10, 20, 5, 15), host, prefetch=2, policy_ops=4, host_ops=20) == 30
-    assert step_seconds(plan(10, 20, 5, 15), host, prefetch=2, policy_ops=4, host_ops=30) == 32
+    assert step_seconds(plan(10, 20, 5, 15), host, prefetch=2, policy_ops=0, host_ops=20) == 30
+    assert step_seconds(plan(10, 20, 5, 15), host, prefetch=2, policy_ops=4, host_ops=20) == 32
+    assert step_seconds(plan(10, 20, 5, 15), host, prefetch=2, policy_ops=4, host_ops=40) == 42
 
 
 @needs_offload_values

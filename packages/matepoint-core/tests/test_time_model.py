@@ -281,8 +281,8 @@ def test_four_processes_calibrating_four_devices_leave_four_entries(tmp_path: Pa
     [
         (0, 0, 30.0),  # the device's time alone
         (20, 0, 30.0),  # host 20 s hidden under the device's 30
-        (20, 10, 30.0),  # host 20 + 10 x 0.5 = 25 s, still hidden
-        (20, 30, 35.0),  # host 20 + 15 = 35 s: the step waits on the host
+        (20, 10, 35.0),  # the policy's 10 x 0.5 s on top, never hidden (rule 4)
+        (40, 30, 55.0),  # host-bound, and the policy's 15 s on top
         (40, 0, 40.0),  # host-bound without any policy
     ],
 )

@@ -422,6 +422,7 @@ def _budget_plan_report(budget_plan: matepoint.BudgetPlan) -> dict[str, Any]:
     return {
         "budget_bytes": budget_plan.budget_bytes,
         "fits": budget_plan.fits,
+        "checkpoint": budget_plan.checkpoint,
         "decisions": dict(budget_plan.decisions),
         "kept_in_last": dict(budget_plan.kept_in_last),
         "regions": budget_plan.regions,
