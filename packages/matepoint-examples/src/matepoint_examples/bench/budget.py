@@ -198,11 +198,13 @@ def run(
     compiled: bool = False,
     twin: str | None = None,
     engines: bool = False,
+    finalist_rounds: int = 20,
 ) -> dict[str, Any]:
     """Measure every strategy and the budget plans of ``workload_name``; return the report.
 
     ``twin`` names an eager strategy to run a second time each round (``TWIN_SUFFIX``);
-    ``engines`` adds each budget plan's policy run by other engines (:func:`engine_variants`).
+    ``engines`` adds each budget plan's policy run by other engines (:func:`engine_variants`);
+    ``finalist_rounds`` is how many rounds the search's finalists are measured over.
     """
     workload = WORKLOADS[workload_name]
     runner = Runner(workload)
@@ -232,7 +234,7 @@ def run(
     for name, budget in budgets.items():
         total = budget if isinstance(budget, int) else budget_bytes_of(budget, runner.device)
         budget_plan = memory_plan.fastest_under(
-            total - states, device=device_model, measure=measure_finalists(runner)
+            total - states, device=device_model, measure=measure_finalists(runner, finalist_rounds)
         )
         plans[name] = {
             "budget_bytes": total,
@@ -324,6 +326,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also run each budget plan's policy under torch's checkpoint and under matepoint's "
         "with offload=False",
     )
+    parser.add_argument(
+        "--finalist-rounds",
+        type=int,
+        default=20,
+        help="rounds the search's finalists are measured over (fewer for a slow step)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument(
         "--plot", type=Path, default=None, help="draw the frontier of REPORTS into this file"
@@ -348,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         compiled=args.compiled,
         twin=args.twin,
         engines=args.engines,
+        finalist_rounds=args.finalist_rounds,
     )
     report["device_memory_cap_bytes"] = args.device_memory
     print_report(report)
