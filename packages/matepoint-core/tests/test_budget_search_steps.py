@@ -6,6 +6,8 @@ without the bounds and compares the whole choice, and counts the steps planned.
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any
 
 import pytest
@@ -92,3 +94,15 @@ def test_a_tight_budget_skips_a_keep_the_forward_alone_cannot_hold(
     skipped = [tried for tried in full_tries if tried not in spared_tries]
     assert skipped
     assert all(list(tried.values())[-1] == "keep" for tried in skipped)
+
+
+def test_the_policy_is_charged_on_the_regions_that_run_it() -> None:
+    """A region that recomputes everything runs without torch's modes (Note [A plan's regions],
+    rule 5): a plan that keeps only in its last regions pays the policy there alone."""
+    state = types.SimpleNamespace(policy_ops=1600, regions=16)
+    charge = functools.partial(_budget._Search.policy_ops_of, state)
+    assert charge({"attention": "keep"}, {}) == 1600
+    assert charge({"attention": "recompute"}, {"matmul 8x8": 4}) == 400
+    assert charge({}, {"matmul 8x8": 1, "attention": 2}) == 200
+    assert charge({"attention": "offload"}, {"matmul 8x8": 1}) == 1600
+    assert charge({"attention": "recompute"}, {}) == 0

@@ -248,7 +248,7 @@ class _Search:
         context_fn = context_fn_of(decisions, kept_in_last, self.regions)
         planned, saves = self.replan(settings, context_fn=context_fn)
         self.note_peak(planned)
-        ops = self.policy_ops if policy_cost and context_fn else 0
+        ops = self.policy_ops_of(decisions, kept_in_last) if policy_cost else 0
         trial = _timed(planned, settings, self.device, self.budget, self.host_ops, ops, saves)
         self.tried.append(_Choice(trial, dict(decisions), dict(kept_in_last)))
         return trial
@@ -259,10 +259,20 @@ class _Search:
         if not (choice.decisions or choice.kept_in_last):
             return choice
         trial = choice.trial
-        seconds = step_seconds(
-            trial.plan, self.device, trial.settings.prefetch, self.policy_ops, self.host_ops
-        )
+        ops = self.policy_ops_of(choice.decisions, choice.kept_in_last)
+        seconds = step_seconds(trial.plan, self.device, trial.settings.prefetch, ops, self.host_ops)
         return dataclasses.replace(choice, trial=trial._replace(seconds=seconds))
+
+    def policy_ops_of(self, decisions: dict[str, Decision], kept_in_last: dict[str, int]) -> int:
+        """The ops a plan's policy meets in a step: every region's where it decides anything
+        but recompute, else those of the last regions it keeps in; a region that recomputes
+        everything runs without torch's modes (Note [A plan's regions], rule 5, in
+        ``matepoint._planner.policy``)."""
+        if any(decision != "recompute" for decision in decisions.values()):
+            return self.policy_ops
+        if not kept_in_last or self.regions == 0:
+            return 0
+        return self.policy_ops * min(self.regions, max(kept_in_last.values())) // self.regions
 
     def note_peak(self, planned: StrategyPlan) -> None:
         """Count ``planned``'s peak in the smallest, where its host side fits (Note [The budget
@@ -543,13 +553,12 @@ def _with_stash(search: _Search, chosen: _Choice, trial: _Trial) -> _Trial:
     if not (chosen.checkpoint and trial.fits):
         return trial
     plan, settings = trial.plan, trial.settings
-    policy = bool(chosen.decisions or chosen.kept_in_last)
     no_copies_back = _Figures(plan.forward_flops, plan.backward_flops, plan.bytes_to_host, 0)
     seconds = step_seconds(
         no_copies_back,
         search.device,
         settings.prefetch,
-        search.policy_ops if policy else 0,
+        search.policy_ops_of(chosen.decisions, chosen.kept_in_last),
         search.host_ops,
     )
     if not decision.stash_pays(trial.seconds, seconds):  # rule 1
