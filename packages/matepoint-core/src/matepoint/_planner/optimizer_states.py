@@ -207,24 +207,17 @@ def optimizer_state_bytes(
         64.015625
     """
     if isinstance(optimizer, str):
-        cls = optimizer_class(optimizer)
-        if parameters is None:
-            raise TypeError(f"optimizer_state_bytes({optimizer!r}) needs the parameters")
-        groups = _groups(parameters)
+        cls, groups = _named("optimizer_state_bytes", optimizer, parameters, settings)
         if cls is None:
             return 0
-        defaults = _defaults(cls, settings)
         every = cls in _MADE_AT_CONSTRUCTION
         return sum(
-            _estimate(cls, parameter, {**defaults, **group})
+            _estimate(cls, parameter, group)
             for group in groups
             for parameter in group["params"]
             if parameter.requires_grad or every
         )
-    if parameters is not None or settings:
-        raise TypeError(
-            "an optimizer instance counts its own parameters and settings: pass neither"
-        )
+    _refuse_arguments(parameters, settings)
     total = 0
     seen: set[tuple[str, int]] = set()
     for group in optimizer.param_groups:
@@ -235,6 +228,32 @@ def optimizer_state_bytes(
             elif parameter.requires_grad:
                 total += _estimate(type(optimizer), parameter, group)
     return total
+
+
+def _named(
+    function: str,
+    name: str,
+    parameters: Iterable[Tensor] | Iterable[dict[str, Any]] | None,
+    settings: Mapping[str, Any],
+) -> tuple[type[torch.optim.Optimizer] | None, list[dict[str, Any]]]:
+    """An optimizer given by its name: its class (None for ``"none"``) and the parameter groups
+    it would make, each with the class's defaults and ``settings`` beneath its own."""
+    cls = optimizer_class(name)
+    if parameters is None:
+        raise TypeError(f"{function}({name!r}) needs the parameters")
+    groups = _groups(parameters)
+    if cls is None:
+        return None, groups
+    defaults = _defaults(cls, settings)
+    return cls, [{**defaults, **group} for group in groups]
+
+
+def _refuse_arguments(parameters: object, settings: Mapping[str, Any]) -> None:
+    """An optimizer instance brings its own parameters and settings."""
+    if parameters is not None or settings:
+        raise TypeError(
+            "an optimizer instance counts its own parameters and settings: pass neither"
+        )
 
 
 def _groups(parameters: Iterable[Tensor] | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -412,19 +431,12 @@ def optimizer_step_bytes(
         64.0
     """
     if isinstance(optimizer, str):
-        cls = optimizer_class(optimizer)
-        if parameters is None:
-            raise TypeError(f"optimizer_step_bytes({optimizer!r}) needs the parameters")
-        groups = _groups(parameters)
-        if cls is None:
+        named, groups = _named("optimizer_step_bytes", optimizer, parameters, settings)
+        if named is None:
             return 0
-        defaults = _defaults(cls, settings)
-        groups = [{**defaults, **group} for group in groups]
+        cls = named
     else:
-        if parameters is not None or settings:
-            raise TypeError(
-                "an optimizer instance counts its own parameters and settings: pass neither"
-            )
+        _refuse_arguments(parameters, settings)
         cls, groups = type(optimizer), optimizer.param_groups
     name = _step_class_name(cls)
     return max(
