@@ -265,6 +265,26 @@ def test_offloading_is_chosen_when_the_link_is_free_and_keeping_does_not_fit() -
     assert budget.strategy_plan.bytes_to_host > memory_plan["matepoint"].bytes_to_host
 
 
+@pytest.mark.skipif(
+    not matepoint._planner.policy.OFFLOAD_AVAILABLE, reason="offload values arrived in 2.11"
+)
+def test_a_plan_for_the_compiled_path_offloads_nothing_through_its_policy() -> None:
+    """Note [The budget search], rule 11: under a whole-model compile torch keeps what a
+    policy offloads, so the same budget is planned with keeps and recomputes only."""
+    eager = _between_every_block_and_keeping_all(_plan())
+    assert "offload" in dict(eager.decisions).values()
+    with torch.device("meta"):
+        stack = Stack(count=BLOCKS)
+        x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
+    settings = matepoint.OffloadSettings(min_offload_bytes=0, compiled_offload=True)
+    compiled = matepoint.plan(stack, x, options=settings).fastest_under(
+        eager.budget_bytes, device=FREE_LINK
+    )
+    assert "offload" not in dict(compiled.decisions).values(), compiled
+    assert compiled.settings.compiled_offload
+    assert compiled.peak_bytes <= compiled.budget_bytes or not compiled.fits
+
+
 def test_the_host_budget_and_ranks_per_node_limit_offloading() -> None:
     memory_plan = _plan()
     every_block = memory_plan["matepoint"]

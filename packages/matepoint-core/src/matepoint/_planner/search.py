@@ -60,6 +60,12 @@ Note [The budget search]
         candidate where its peak fits: it recomputes nothing and pays no policy. Where it is the
         fastest, the plan says so (``checkpoint`` False), and the integrations then run every
         block as it is. Skipping the checkpoint of the last blocks only is not a candidate yet.
+    Rule 11. A plan made with ``compiled_offload`` in force offloads nothing through its
+        policy: under a whole-model compile torch's selective checkpointing saves an offloaded
+        output on the device (docs/selective.md), so an offload planned there held more than
+        planned (llama8 at torch checkpoint's peak 0.10 GiB over it on an H200). Such a plan
+        keeps or recomputes each kind, as before torch 2.11; matepoint still moves the
+        checkpoint inputs.
     Rule 8. A step fits where its peak fits the device budget and its host side fits too: its
         pinned pool, times the node's ranks, within the host budget, and no pool that would
         raise (``on_pool_exhausted="raise"`` past ``pool_cap_bytes``). The smallest budget
@@ -437,7 +443,9 @@ def _decide_kind(search: _Search, best: _Choice, kind: KindProfile) -> bool:
     keep_can_fit = not decision.cannot_fit_kept(
         forward_end, kind.output_bytes, search.budget.device_bytes
     )
-    tries = decision.kind_tries(trial.settings.prefetch, OFFLOAD_AVAILABLE, keep_can_fit)
+    # Rule 11: under the compiled path an offload is a keep; only eager offloads.
+    offload = OFFLOAD_AVAILABLE and not trial.settings.compiled_offload
+    tries = decision.kind_tries(trial.settings.prefetch, offload, keep_can_fit)
     planned: list[_Trial] = []
     for choice, prefetch in tries:
         settings = dataclasses.replace(trial.settings, prefetch=prefetch)
