@@ -27,7 +27,7 @@ from matepoint._planner import live_model, policy, sharded_twin
 from matepoint._planner.optimizer_states import optimizer_state_bytes
 
 distributed = torch.distributed
-FSDP = sharded_twin._fsdp()
+FSDP = compat.fsdp_classes()
 pytestmark = [
     pytest.mark.skipif(
         FSDP is None or not distributed.is_gloo_available(),

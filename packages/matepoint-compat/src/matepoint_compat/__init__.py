@@ -22,6 +22,7 @@ from matepoint_compat._hooks import *
 from matepoint_compat._planning import *
 from matepoint_compat._pytree import *
 from matepoint_compat._selective import *
+from matepoint_compat._sharding import *
 from matepoint_compat._version import *
 from matepoint_compat._version_counter import *
 from matepoint_compat._warnings import *

@@ -137,11 +137,12 @@ def per_process_memory_cap(device: torch.device) -> int | None:
     caller plans to the device's free memory. The shim can go when torch 2.6 is the oldest
     supported release.
     """
-    read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    read: Any = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if read is None:
         return None
     # torch reads the fraction of a numbered device only: "cuda" is the current one.
-    index = torch.cuda.current_device() if device.index is None else device.index
+    number: int | None = device.index  # None for "cuda", whatever the stubs say
+    index = torch.cuda.current_device() if number is None else number
     fraction = float(read(index))
     if fraction >= 1.0:
         return None

@@ -54,70 +54,30 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+import matepoint_compat as compat
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.trace import ALLOCATION_GRANULARITY, round_up
 
 __all__ = ["is_shard", "is_sharded", "per_rank", "plain_twin", "rank_correction", "rank_view"]
 
 _Optimizer = TypeVar("_Optimizer", bound=torch.optim.Optimizer)
-# Module attributes FSDP2 sets that the twin leaves out (the flags it sets for Dynamo).
-_FSDP_FLAGS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
-# The prefix of the attribute names where torch's composable APIs (fully_shard) keep their state.
-_COMPOSABLE_STATE = "__composable_api_state_key"
-# Where FSDP2's hooks are defined, from torch 2.6 and before.
-_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
-
-
-@functools.cache
-def _dtensor_class() -> type[Tensor] | None:
-    """``DTensor``, or None where this torch has no ``torch.distributed``."""
-    if not torch.distributed.is_available():
-        return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5; delete with support for torch 2.4
-        try:
-            from torch.distributed._tensor import (  # type: ignore[attr-defined,unused-ignore]
-                DTensor,
-            )
-        except ImportError:
-            return None
-    return DTensor
-
-
-@functools.cache
-def _fsdp() -> tuple[type[Any], Any] | None:
-    """FSDP2's module class and ``fully_shard``, or None where this torch has neither."""
-    if not torch.distributed.is_available():
-        return None
-    try:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-    except ImportError:  # torch < 2.6; delete with support for torch 2.5
-        try:
-            from torch.distributed._composable.fsdp import (  # type: ignore[attr-defined,unused-ignore]
-                FSDPModule,
-                fully_shard,
-            )
-        except ImportError:
-            return None
-    return FSDPModule, fully_shard
 
 
 def is_shard(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a ``DTensor`` (FSDP2's parameters and gradients are)."""
-    dtensor = _dtensor_class()
+    dtensor = compat.dtensor_class()
     return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether any module of ``model`` is wrapped by FSDP2's ``fully_shard``."""
-    fsdp = _fsdp()
+    fsdp = compat.fsdp_classes()
     return fsdp is not None and any(isinstance(module, fsdp[0]) for module in model.modules())
 
 
 def _original_class(module: nn.Module) -> type[nn.Module]:
     """The class FSDP2 wrapped (``Linear`` of ``FSDPLinear``), or the module's own class."""
-    fsdp = _fsdp()
+    fsdp = compat.fsdp_classes()
     cls = type(module)
     if fsdp is None or not isinstance(module, fsdp[0]):
         return cls
@@ -140,17 +100,18 @@ def _hook_function(hook: Any) -> Any:
 def _fsdp_entry(attribute: str, key: Any, value: Any) -> bool:
     """Whether a dict entry of a module is FSDP2's: a hook it registered (an id, in every
     dict of hooks), or its state or registry entry (by API, in a composable API's dict)."""
-    if attribute.startswith(_COMPOSABLE_STATE):
+    if attribute.startswith(compat.COMPOSABLE_STATE_PREFIX):
         return bool(getattr(key, "__name__", key) == "fully_shard")
     if not isinstance(key, int):
         return False
-    return str(getattr(_hook_function(value), "__module__", "")).startswith(_FSDP_MODULES)
+    module = str(getattr(_hook_function(value), "__module__", ""))
+    return module.startswith(compat.FSDP_HOOK_MODULES)
 
 
 def _without_fsdp(state: dict[str, Any]) -> dict[str, Any]:
     """A module's attributes less FSDP2's state, flags and hooks (Note [A sharded model's
     twin], rule 1); the dicts that held them are new, the rest is the module's own."""
-    kept = {name: value for name, value in state.items() if name not in _FSDP_FLAGS}
+    kept = {name: value for name, value in state.items() if name not in compat.FSDP_MODULE_FLAGS}
     hooks = {
         key
         for name, value in kept.items()
@@ -168,7 +129,7 @@ def _without_fsdp(state: dict[str, Any]) -> dict[str, Any]:
         kept[name] = copy.copy(value)
         for key in entries:
             del kept[name][key]
-        if not kept[name] and name.startswith(_COMPOSABLE_STATE):
+        if not kept[name] and name.startswith(compat.COMPOSABLE_STATE_PREFIX):
             del kept[name]
     return kept
 
@@ -205,24 +166,6 @@ def _gathered_bytes(parameter: Tensor) -> int:
     return round_up(max(whole, shard * ranks), ALLOCATION_GRANULARITY)
 
 
-def _keeps_after_forward(state: Any) -> bool:
-    """Whether a ``fully_shard`` state keeps its group gathered after forward; True where
-    this torch's state cannot say, which counts more (Note [A sharded model's twin], rule 4).
-
-    FSDP2 has no public reading of ``reshard_after_forward``: its parameter groups' meshes
-    tell it (no mesh after forward: kept; another mesh: kept in part).
-    """
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.6 kept one group
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [] if group is None else [group]
-    marker = object()
-    return not all(
-        getattr(group, "post_forward_mesh_info", marker) == getattr(group, "mesh_info", None)
-        for group in groups
-    )
-
-
 @dataclasses.dataclass
 class _Group:
     """One ``fully_shard`` group: its gathered bytes, and whether forward keeps them."""
@@ -234,7 +177,7 @@ class _Group:
 def _groups(model: nn.Module) -> list[_Group]:
     """Every ``fully_shard`` group's gathered bytes, each parameter in the group of its
     innermost wrapped module; the outermost groups (FSDP2's roots) kept after forward."""
-    fsdp = _fsdp()
+    fsdp = compat.fsdp_classes()
     if fsdp is None:
         return []
     module_class, fully_shard = fsdp
@@ -244,7 +187,7 @@ def _groups(model: nn.Module) -> list[_Group]:
     def visit(module: nn.Module, owner: Any) -> None:
         if isinstance(module, module_class):
             state = fully_shard.state(module)
-            groups[id(state)].kept |= owner is None or _keeps_after_forward(state)
+            groups[id(state)].kept |= owner is None or compat.keeps_gathered_after_forward(state)
             owner = state
         for parameter in module.parameters(recurse=False):
             if owner is not None and is_shard(parameter) and id(parameter) not in seen:
