@@ -176,7 +176,9 @@ def test_auto_is_a_clear_error_off_cuda() -> None:
 def test_auto_is_what_the_device_can_give_less_the_margin(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 << 30)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    monkeypatch.setattr(
+        torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False
+    )
     got = live_model.budget_bytes_of("AUTO", torch.device("cuda", 0))
     assert got == int((12 << 30) * (1 - live_model.AUTO_MARGIN))
 
@@ -189,7 +191,9 @@ def test_auto_stays_under_the_per_process_memory_fraction(
     # 8 GiB, though 12 GiB are free or already held: "auto" plans to the smaller.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 << 30)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+    monkeypatch.setattr(
+        torch.cuda, "get_per_process_memory_fraction", lambda device: fraction, raising=False
+    )
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30)
     )
@@ -202,9 +206,14 @@ def test_auto_stays_under_the_per_process_memory_fraction(
         torch.cuda,
         "get_per_process_memory_fraction",
         lambda device: asked.append(device) or fraction,
+        raising=False,
     )
     assert live_model.budget_bytes_of("auto", torch.device("cuda")) == got
     assert asked == [0]
+    # A torch without the reading (2.4, 2.5) cannot tell the cap: free memory it is.
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")
+    free = live_model.budget_bytes_of("auto", torch.device("cuda", 0))
+    assert free == int((12 << 30) * (1 - live_model.AUTO_MARGIN))
 
 
 def test_ranks_per_node_come_from_torch_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
