@@ -408,3 +408,33 @@ def test_a_copy_of_a_guarded_model_carries_no_guard() -> None:
         twin(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
     assert memory.resets == 0
     assert matepoint.budget_guard(model) is guard
+
+
+@needs_plans
+def test_a_plan_without_checkpoint_is_planned_again_with_checkpoints_on_an_overshoot(
+    cpu_transport: CPUTestTransport,
+) -> None:
+    """The step without any checkpoint was chosen (the blocks run as they are); over the
+    budget, the guard plans the model again with its blocks checkpointed, and applies that."""
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [Block() for _ in range(BLOCKS)]
+    model = nn.Sequential(*blocks)
+    first = mi.apply_matepoint_checkpointing(
+        model,
+        lambda m: isinstance(m, Block),
+        budget="1GiB",
+        example_batch=torch.randn(*SHAPE),
+        optimizer=None,
+    )
+    assert not first.checkpoint
+    guard = matepoint.budget_guard(model)
+    assert guard is not None
+    guard.memory = memory = SimulatedMemory(first.peak_bytes)
+    model(torch.randn(*SHAPE)).sum().backward()
+    # A byte over: planned again at a byte below the step without checkpoints.
+    memory.peak = guard.budget_bytes + 1
+    with pytest.warns(matepoint.BudgetOvershootWarning, match="over the budget"):
+        model(torch.randn(*SHAPE)).sum().backward()
+    assert guard.replans == 1
+    assert guard.plan.checkpoint
+    assert guard.plan.regions == BLOCKS

@@ -122,6 +122,8 @@ def _gib(size: int) -> str:
 
 def describe(plan: BudgetPlan) -> str:
     """A plan in one line: its decisions and the settings it chose."""
+    if not plan.checkpoint:
+        return f"budget plan of {plan.regions} regions (no checkpoint: every block as it is)"
     decided = ", ".join(f"{kind} {decision}" for kind, decision in plan.decisions)
     return (
         f"budget plan of {plan.regions} regions ({decided or 'every op recomputed'}; "

@@ -566,9 +566,11 @@ def _replan_wrapped(
     without the plan in force."""
 
     def unplanned(twin: nn.Module) -> None:
+        # A plan without checkpoints left its blocks running as they are: checkpoint them again.
+        planned = (checkpoint, _without_checkpoint)
         for module in twin.modules():
             function = getattr(module, "checkpoint_fn", None)
-            if isinstance(function, functools.partial) and function.func is checkpoint:
+            if isinstance(function, functools.partial) and function.func in planned:
                 module.checkpoint_fn = matepoint_checkpoint_fn(**checkpoint_kwargs)  # type: ignore[assignment]
 
     args = (total, None, example_batch, optimizer, loss_fn, device)
