@@ -373,3 +373,28 @@ def test_budget_in_units_shows_the_fastest_step_within_it(
     assert "does NOT fit" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         plan_cli.main([*TINY_LLAMA, "--budget", "lots"])
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.utils.checkpoint, "CheckpointPolicy"),
+    reason="torch's selective checkpointing arrived in 2.5",
+)
+def test_a_budget_under_the_optimizer_step_fits_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two wide blocks over a short sequence: the parameters, not the activations, make the
+    # step's peak.
+    small = ["--model", "llama8", "--depth", "2", "--seq", "16"]
+    out_json = tmp_path / "plan.json"
+    assert plan_cli.main([*small, "--budget", "16GiB", "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    budget_plan = report["budget_plan"]
+    step_bytes = budget_plan["optimizer_step_bytes"]
+    assert budget_plan["peak_bytes"] < step_bytes
+    # Room for forward and backward beside the states, not for the optimizer step.
+    tight = report["optimizer"]["state_bytes"] + budget_plan["peak_bytes"]
+    capsys.readouterr()
+    assert plan_cli.main([*small, "--budget", f"{tight}B"]) == 1
+    printed = capsys.readouterr().out
+    assert "does NOT fit" in printed
+    assert "the optimizer step alone exceeds the budget" in printed

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import matepoint
+from matepoint._planner.live_model import with_optimizer_step as _with_optimizer_step
 from matepoint._planner.optimizer_states import optimizer_class, optimizer_state_bytes
 from matepoint_examples._workloads import GPU_WORKLOADS, Workload, build, get_workload
 from matepoint_examples.strategies import get_strategy
@@ -32,6 +33,7 @@ __all__ = [
     "main",
     "optimizer_states",
     "plan_workload",
+    "with_optimizer_step",
 ]
 
 STRATEGIES = ("none", "torch", "matepoint")
@@ -100,6 +102,24 @@ def optimizer_states(workload: Workload, optimizer: str) -> tuple[str, int]:
     return cls.__name__, optimizer_state_bytes(
         optimizer, built.model.parameters(), **OPTIMIZERS[optimizer]
     )
+
+
+def with_optimizer_step(
+    budget_plan: matepoint.BudgetPlan, workload: Workload, optimizer: str
+) -> matepoint.BudgetPlan:
+    """``budget_plan`` with ``optimizer``'s step counted, as ``matepoint.plan_budget`` counts it.
+
+    The step holds the parameters, their gradients and its own temporaries beside its states
+    (:func:`matepoint._planner.optimizer_states.optimizer_step_bytes`); a budget below that fits
+    no plan. The optimizer is made on the meta model's parameters (nothing allocated), with the
+    settings of :data:`OPTIMIZERS`, stepping as on a GPU.
+    """
+    cls = optimizer_class(optimizer)
+    if cls is None:
+        return budget_plan
+    built = build(workload, get_strategy("none").checkpoint_fn, torch.device("meta"))
+    instance = cls(built.model.parameters(), **OPTIMIZERS[optimizer])
+    return _with_optimizer_step(budget_plan, built.model, instance)
 
 
 def largest_batch(workload: Workload, budget_bytes: int, options: matepoint.OffloadSettings) -> int:
