@@ -246,7 +246,9 @@ def plan_budget(
     optimizer. It plans on the meta device from a meta twin of the model (Note [The meta twin]
     in ``matepoint._planner.live_model``), so it allocates no device memory and changes
     nothing of the model; it subtracts the optimizer's states from the budget, takes the ranks
-    per node from ``torch.distributed``, and runs :meth:`matepoint.MemoryPlan.fastest_under`.
+    per node from ``torch.distributed``, and runs :meth:`matepoint.MemoryPlan.fastest_under`;
+    a plan fits only where the optimizer step (its states, the parameters, the gradients and
+    its temporaries: ``BudgetPlan.optimizer_step_bytes``) fits too.
     A model wrapped by FSDP2 (``fully_shard``) is planned per rank: its twin is the unsharded
     model, and the planned figures are corrected to one rank's shards and what FSDP2 gathers
     beside them, counted at most, so that the plan never holds less than a rank does (Note [A
