@@ -8,6 +8,7 @@ CPU test transport) to torch's checkpoint under the same policy per region.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import functools
 from types import SimpleNamespace
@@ -535,3 +536,30 @@ def test_apply_with_a_budget_refuses_blocks_called_out_of_module_order() -> None
             optimizer=None,
         )
     assert all(isinstance(block, Block) for block in model.blocks)  # nothing wrapped
+
+
+@needs_plans
+def test_the_one_call_from_threads_answers_as_one_thread_does() -> None:
+    """Each call plans its own meta twin; four threads on one live model and optimizer get the
+    plan one thread gets, and the model is left as it was."""
+    model = OwnCalls()
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = _snapshot(model)
+
+    def one_call(_: int) -> matepoint.BudgetPlan:
+        return matepoint.plan_budget(
+            model, torch.randn(*SHAPE), optimizer=optimizer, budget="1GiB", device=FREE_POLICY
+        )
+
+    alone = one_call(0)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        plans = list(pool.map(one_call, range(4)))
+    for plan in plans:
+        assert (plan.decisions, plan.kept_in_last, plan.checkpoint) == (
+            alone.decisions,
+            alone.kept_in_last,
+            alone.checkpoint,
+        )
+        assert plan.peak_bytes == alone.peak_bytes
+        assert plan.optimizer_step_bytes == alone.optimizer_step_bytes
+    _assert_unchanged(model, before)
