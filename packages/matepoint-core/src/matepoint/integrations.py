@@ -42,7 +42,7 @@ from matepoint._checkpoint import checkpoint
 from matepoint._guard import BudgetGuard, CudaMemory, meta_batch
 from matepoint._options import configure
 from matepoint._planner.budget_plan import BudgetPlan
-from matepoint._planner.live_model import plan_prepared
+from matepoint._planner.live_model import plan_prepared, rank_optimizer
 from matepoint._planner.optimizer_states import optimizer_state_bytes
 from matepoint._planner.time_model import DeviceModel
 from matepoint_compat import torch_apply_activation_checkpointing, torch_checkpoint_wrapper
@@ -324,7 +324,9 @@ def _attach_guard(
 ) -> None:
     """Attach a guard on ``plan``'s first steps to ``model``, reading its device's peaks
     (See Note [The budget guard] in ``matepoint._guard``); on a CPU model it reads nothing."""
-    states = 0 if optimizer is None else optimizer_state_bytes(optimizer)
+    # Counted as the plan counted them: one rank's, for an FSDP2 model.
+    counted = rank_optimizer(model, optimizer)
+    states = 0 if counted is None else optimizer_state_bytes(counted)
     guard = BudgetGuard(
         plan, replan=replan, apply=apply, states_bytes=states, model=model, optimizer=optimizer
     )

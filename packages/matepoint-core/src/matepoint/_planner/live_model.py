@@ -56,8 +56,10 @@ __all__ = [
     "meta_twin",
     "plan_budget",
     "plan_prepared",
+    "rank_optimizer",
     "ranks_per_node",
     "size_in_bytes",
+    "with_optimizer_step",
 ]
 
 # The share of what a CUDA device can give the process that budget="auto" leaves out. A plan
@@ -331,11 +333,8 @@ def plan_prepared(
         )
     total = budget_bytes_of(budget, _device_of(model, example_batch))
     sharded = any(is_shard(parameter) for parameter in model.parameters())
-    states = (
-        0
-        if optimizer is None
-        else optimizer_state_bytes(rank_view(optimizer) if sharded else optimizer)
-    )
+    counted = rank_optimizer(model, optimizer)
+    states = 0 if counted is None else optimizer_state_bytes(counted)
     if states >= total:
         raise ValueError(
             f"the optimizer's states take {states} bytes, the whole budget of {total}: "
@@ -368,8 +367,17 @@ def plan_prepared(
         ranks_per_node=ranks_per_node(),
         device=device,
     )
-    counted = optimizer if optimizer is None or not sharded else rank_view(optimizer)
     return with_optimizer_step(per_rank(chosen, correction), model, counted)
+
+
+def rank_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> torch.optim.Optimizer | None:
+    """``optimizer`` as one rank holds it: over the local shards of an FSDP2 model (Note [A
+    sharded model's twin] in ``matepoint._planner.sharded_twin``), else as it is."""
+    if optimizer is None or not any(is_shard(parameter) for parameter in model.parameters()):
+        return optimizer
+    return rank_view(optimizer)
 
 
 def _held_bytes(tensor: Tensor) -> int:
