@@ -17,31 +17,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
+from test_budget_one_call import BLOCKS, FREE_POLICY, SHAPE, SLOW_COMPUTE, Block, needs_plans
+from test_integrations import _tiny_llama
 from torch import nn
 
 import matepoint
 import matepoint.integrations as mi
-from matepoint import DeviceModel
-from matepoint._planner import policy
 from matepoint.testing import CPUTestTransport
-
-needs_plans = pytest.mark.skipif(not policy.AVAILABLE, reason="budget plans need torch 2.5")
-
-# Compute at 1 TFLOP/s and a policy without host time: keeping what is dear pays.
-FREE_POLICY = DeviceModel(peak_flops=1e12, policy_seconds_per_op=0)
-BLOCKS, SHAPE = 4, (512, 64)
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(64, 256, bias=False)
-        self.down = nn.Linear(256, 64, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
 
 
 class SimulatedMemory:
@@ -266,27 +249,15 @@ def _overshoot(guard: matepoint.BudgetGuard, step: Any) -> matepoint.BudgetPlan:
 
 @needs_plans
 def test_a_transformers_model_plans_again_layer_by_layer(cpu_transport: CPUTestTransport) -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = _tiny_llama()
     ids = torch.randint(0, 64, (2, 16))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    slow_compute = DeviceModel(peak_flops=1e6, policy_seconds_per_op=0)
     mi.enable_hf_gradient_checkpointing(
         model,
         budget="1GiB",
         example_batch={"input_ids": ids, "labels": ids},
         optimizer=optimizer,
-        device=slow_compute,
+        device=SLOW_COMPUTE,
     )
     guard = matepoint.budget_guard(model)
     assert guard is not None

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
+from test_integrations import _tiny_llama
 from torch import nn
 
 import matepoint
@@ -442,22 +443,6 @@ def test_a_budget_needs_the_batch_and_the_optimizer() -> None:
 
 
 # --- a transformers model ------------------------------------------------------------------------
-
-
-def _tiny_llama() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    model: nn.Module = transformers.LlamaForCausalLM(config)
-    return model
 
 
 @needs_plans
