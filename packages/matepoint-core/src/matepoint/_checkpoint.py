@@ -270,7 +270,7 @@ def _checkpoint(
     if kwargs:
         check_misplaced_settings(kwargs, function)
     if plan is not None:
-        if plan.strategy == "none":
+        if plan.strategy == "none" or not (reentrant or plan.runs_checkpointed()):
             return function(*args, **kwargs)
         if plan.context_fn is not None and not reentrant:
             checkpoint_options["context_fn"] = plan.context_fn

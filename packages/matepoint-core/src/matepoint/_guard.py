@@ -125,8 +125,9 @@ def describe(plan: BudgetPlan) -> str:
     if not plan.checkpoint:
         return f"budget plan of {plan.regions} regions (no checkpoint: every block as it is)"
     decided = ", ".join(f"{kind} {decision}" for kind, decision in plan.decisions)
+    unchecked = f"; the last {plan.unchecked_last} unchecked" if plan.unchecked_last else ""
     return (
-        f"budget plan of {plan.regions} regions ({decided or 'every op recomputed'}; "
+        f"budget plan of {plan.regions} regions ({decided or 'every op recomputed'}{unchecked}; "
         f"prefetch {plan.prefetch}, min_offload_bytes {plan.min_offload_bytes})"
     )
 

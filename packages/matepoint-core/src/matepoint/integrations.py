@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -78,8 +79,22 @@ _CHECKPOINT_KEYWORDS = frozenset({"preserve_rng_state"}) | frozenset(
 
 def _without_checkpoint(function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """Run a block as it is, where a plan checkpoints nothing (``BudgetPlan.checkpoint``
-    False): the call's own keywords are dropped, the function's passed on."""
+    False) or not its region (``BudgetPlan.unchecked_last``): the call's own keywords are
+    dropped, the function's passed on."""
     return function(*args, **{k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYWORDS})
+
+
+def _next_region(
+    calls: Iterator[int],
+    functions: list[functools.partial[Any]],
+    function: Callable[..., Any],
+    /,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Serve one call with the function of the next region by count (Note [A plan's regions],
+    rule 3), which checkpoints it or runs it as it is."""
+    return functions[next(calls) % len(functions)](function, *args, **kwargs)
 
 
 def matepoint_checkpoint_fn(
@@ -113,7 +128,10 @@ def matepoint_checkpoint_fn(
     Returns:
         A ``functools.partial`` of :func:`matepoint.checkpoint`; of a function that runs the
         block as it is where the plan checkpoints nothing (``budget_plan.checkpoint`` False:
-        the step without any checkpoint fits and is the fastest).
+        the step without any checkpoint fits and is the fastest) or leaves ``region``
+        unchecked (``budget_plan.checkpoints_region(region)`` False); without ``region``, of
+        one that counts the calls and does either per region, for a plan that leaves its last
+        regions unchecked.
 
     Example:
         >>> import torch
@@ -126,10 +144,18 @@ def matepoint_checkpoint_fn(
     if budget_plan is not None:
         if "context_fn" in checkpoint_kwargs:
             raise TypeError("a budget_plan brings its own context_fn; pass one or the other")
-        if not budget_plan.checkpoint:
-            # The step without any checkpoint fits and is the fastest: run the blocks as they
-            # are (no recomputation, no policy, no hooks).
+        if not budget_plan.checkpoint or (
+            region is not None and not budget_plan.checkpoints_region(region)
+        ):
+            # The step without any checkpoint, or without one in this block, fits and is the
+            # fastest: run the block as it is (no recomputation, no policy, no hooks).
             return functools.partial(_without_checkpoint)
+        if region is None and budget_plan.unchecked_last:
+            functions = [
+                matepoint_checkpoint_fn(budget_plan, region=index, **checkpoint_kwargs)
+                for index in range(budget_plan.regions)
+            ]
+            return functools.partial(_next_region, itertools.count(), functions)
         context_fn = budget_plan.context_fn(region)
         configure(**budget_plan.settings_changes())
         # A plan that decides nothing leaves the call without a context_fn, so the compiled
@@ -203,13 +229,25 @@ def _one_sequence_per_row(example_batch: Any) -> Iterator[None]:
 
 def _check_blocks(plan: BudgetPlan, blocks: int, what: str) -> None:
     """Block ``i`` takes region ``i`` (Note [A plan's regions], rule 1): the counts must agree
-    where the plan keeps in the last regions, and the blocks never outnumber the regions."""
-    if blocks > plan.regions or (plan.kept_in_last and blocks != plan.regions):
+    where the plan decides its last regions apart, and the blocks never outnumber the
+    regions."""
+    by_place = _last_regions_apart(plan)
+    if blocks > plan.regions or (by_place and blocks != plan.regions):
         raise ValueError(
             f"the plan has {plan.regions} regions (its planned step's checkpoint calls) but "
             f"{blocks} {what}: block i takes region i, so plan this model"
-            + (" (the plan keeps in its last regions)" if plan.kept_in_last else "")
+            + (f" ({by_place})" if by_place else "")
         )
+
+
+def _last_regions_apart(plan: BudgetPlan) -> str:
+    """What the plan does in its last regions only, in words, or "" where every region
+    decides alike."""
+    if plan.kept_in_last:
+        return "the plan keeps in its last regions"
+    if plan.unchecked_last and plan.checkpoint:
+        return f"the plan leaves its last {plan.unchecked_last} regions unchecked"
+    return ""
 
 
 def enable_hf_gradient_checkpointing(
@@ -433,7 +471,8 @@ def checkpoint_wrapper(
         budget_plan: A plan made before. Default: None.
         region: The plan's region of this block: block ``i`` of the planned step (its
             ``i``-th checkpoint call) takes ``i``. Needed where the plan keeps in its last
-            regions (Note [A plan's regions]); else any region decides alike. Default: None.
+            regions or leaves them unchecked (Note [A plan's regions]); else any region
+            decides alike. Default: None.
         guard: With ``budget``: attach a :class:`matepoint.BudgetGuard` to the wrapper
             (:func:`matepoint.budget_guard` finds it). Default: True.
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint`.
@@ -443,7 +482,8 @@ def checkpoint_wrapper(
         The wrapper module.
 
     Raises:
-        TypeError: For a plan that keeps in its last regions without ``region``; for
+        TypeError: For a plan that keeps in its last regions or leaves them unchecked,
+            without ``region``; for
             ``budget`` without ``example_batch`` or ``optimizer``.
     """
     if budget is not None:
@@ -451,11 +491,12 @@ def checkpoint_wrapper(
         args = (budget, budget_plan, example_batch, optimizer, loss_fn, device)
         budget_plan, region = _planned(module, wrap, *args), 0
     if budget_plan is not None and region is None:
-        if budget_plan.kept_in_last and budget_plan.regions > 1:
+        if (by_place := _last_regions_apart(budget_plan)) and budget_plan.regions > 1:
             raise TypeError(
-                f"this plan keeps in its last regions: name this block's region of its "
-                f"{budget_plan.regions}, checkpoint_wrapper(block, budget_plan=plan, region=i), "
-                "or wrap every block with apply_matepoint_checkpointing(budget_plan=plan)"
+                f"{by_place.replace('the plan', 'this plan')}: name this block's region of "
+                f"its {budget_plan.regions}, checkpoint_wrapper(block, budget_plan=plan, "
+                "region=i), or wrap every block with "
+                "apply_matepoint_checkpointing(budget_plan=plan)"
             )
         region = 0
     function = matepoint_checkpoint_fn(budget_plan, region=region, **checkpoint_kwargs)
@@ -527,7 +568,7 @@ def apply_matepoint_checkpointing(
     Raises:
         TypeError: For ``budget`` without ``example_batch`` or ``optimizer``.
         ValueError: Where the blocks outnumber the plan's regions, or differ from them in
-            number for a plan that keeps in its last regions.
+            number for a plan that keeps in its last regions or leaves them unchecked.
     """
     if budget is not None:
         calls: list[int] = []

@@ -435,6 +435,7 @@ def _budget_plan_report(budget_plan: matepoint.BudgetPlan) -> dict[str, Any]:
         "checkpoint": budget_plan.checkpoint,
         "decisions": dict(budget_plan.decisions),
         "kept_in_last": dict(budget_plan.kept_in_last),
+        "unchecked_last": budget_plan.unchecked_last,
         "regions": budget_plan.regions,
         "settings": budget_plan.settings_changes(),
         "peak_bytes": budget_plan.peak_bytes,

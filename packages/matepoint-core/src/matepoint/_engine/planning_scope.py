@@ -4,8 +4,10 @@ Note [Planning scope]
     Rule 1. ``matepoint.plan`` runs the user's own step with a :class:`Planning` installed for
             its thread (``planning_scope``); nothing process-wide changes, so other threads
             offload as ever.
-    Rule 2. While one is installed, that thread's checkpoint calls take their options from it
-            (or, for the no-checkpoint strategy, run their function directly).
+    Rule 2. While one is installed, that thread's checkpoint calls take their options from it,
+            and each non-reentrant call asks it whether to checkpoint at all
+            (``runs_checkpointed``): under the no-checkpoint strategy, or in a region a budget
+            plan leaves unchecked, the call runs its function directly.
     Rule 3. ``saving.pack`` sends the saved inputs to the plan's own engine, over a channel
             that moves nothing, and tells the plan what became of each.
     Rule 4. A record knows its engine, so backward restores each one where it was made, on
@@ -47,6 +49,10 @@ class Planning(Protocol):
 
     def saved(self, tensor: torch.Tensor, fate: str) -> None:
         """Hear what became of a saved input: offloaded, shared, or a ``KeepReason``."""
+
+    def runs_checkpointed(self) -> bool:
+        """Count one non-reentrant checkpoint call and say whether it checkpoints (False: its
+        function runs directly)."""
 
 
 class _Local(threading.local):

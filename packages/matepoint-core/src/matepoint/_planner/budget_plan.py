@@ -65,6 +65,10 @@ class BudgetPlan:
         checkpoint: False where the step without any checkpoint fits and is estimated fastest
             (Note [The budget search], rule 10): train without checkpointing; ``decisions``
             is then empty and ``strategy_plan`` is that step's.
+        unchecked_last: The last regions run without a checkpoint, their blocks as they are
+            (Note [The budget search], rule 10): where the step without any checkpoint does
+            not fit, its last blocks may. 0 for none; :meth:`checkpoints_region` says it per
+            region, and the integrations apply it.
         batch_fraction: Where nothing fits, the share of the example batch that would, the
             activation memory of the least peak planned taken as proportional to the batch (0:
             parameters and gradients alone, or the optimizer step, exceed the budget; None: no
@@ -95,6 +99,30 @@ class BudgetPlan:
     checkpoint: bool = True
     batch_fraction: float | None = None
     optimizer_step_bytes: int = 0
+    unchecked_last: int = 0
+
+    def checkpoints_region(self, region: int) -> bool:
+        """Whether region ``region`` (block ``region`` of the planned step) runs checkpointed:
+        False where the plan runs no checkpoint at all or leaves its last regions unchecked
+        (:attr:`unchecked_last`), and the block then runs as it is.
+
+        Raises:
+            TypeError: For a region that is not a whole number.
+            ValueError: For a region outside the plan's.
+        """
+        self._check_region(region)
+        return self.checkpoint and region < self.regions - self.unchecked_last
+
+    def _check_region(self, region: int) -> None:
+        """Refuse a region that is not one of the plan's."""
+        if isinstance(region, bool) or not isinstance(region, int):
+            raise TypeError(f"region must be a whole number, got {region!r}")
+        if not 0 <= region < self.regions:
+            raise ValueError(
+                f"region {region} is outside this plan's {self.regions} regions "
+                f"(0 to {self.regions - 1}): the planned step made {self.regions} "
+                "checkpoint calls"
+            )
 
     def policy(self, region: int = 0) -> Callable[..., Any]:
         """A selective-checkpoint policy for one checkpoint call: ``policy(ctx, op, *args)``.
@@ -122,6 +150,11 @@ class BudgetPlan:
         call works for every plan; compare with it (``plan.context_fn() is
         torch.utils.checkpoint.noop_context_fn``) to tell whether a plan has a policy.
 
+        The ``context_fn`` does not skip a checkpoint: where :meth:`checkpoints_region` is
+        False for a block (the plan runs its last blocks, or all, without one), call the block
+        itself, or take :func:`matepoint.integrations.matepoint_checkpoint_fn`, which does.
+        A block checkpointed anyway holds less than planned, and runs slower.
+
         Args:
             region: The block's region, from 0 to ``regions - 1``; or None to count the calls.
                 Default: None.
@@ -131,14 +164,7 @@ class BudgetPlan:
             ValueError: For a region outside the plan's.
         """
         if region is not None:
-            if isinstance(region, bool) or not isinstance(region, int):
-                raise TypeError(f"region must be a whole number, got {region!r}")
-            if not 0 <= region < self.regions:
-                raise ValueError(
-                    f"region {region} is outside this plan's {self.regions} regions "
-                    f"(0 to {self.regions - 1}): the planned step made {self.regions} "
-                    "checkpoint calls"
-                )
+            self._check_region(region)
         context_fn = context_fn_of(
             dict(self.decisions), dict(self.kept_in_last), self.regions, region
         )
@@ -190,8 +216,14 @@ class BudgetPlan:
                 f"  no checkpoint needed: the step without any checkpoint peaks at "
                 f"{self.peak_bytes / _GIB:.2f} GiB, within the budget, and is estimated fastest"
             )
-        elif held := self._inputs_line():
-            lines.append(held)
+        else:
+            if self.unchecked_last:
+                lines.append(
+                    f"  no checkpoint in the last {self.unchecked_last} of {self.regions} "
+                    "regions: those blocks run as they are, nothing recomputed"
+                )
+            if held := self._inputs_line():
+                lines.append(held)
         if self.measured_seconds:
             chosen, *others = (f"{value * 1e3:.1f} ms" for value in self.measured_seconds)
             lines.append(

@@ -38,6 +38,7 @@ __all__ = [
     "stash_pays",
     "surely_fits_kept",
     "tries_inputs_on_device",
+    "unchecked_count",
 ]
 
 # Outputs of one op call, each rounded up to the allocator's granularity, at most (attention
@@ -176,6 +177,25 @@ def region_counts(
     last = min(regions - 1, room_bytes * calls // max(output_bytes, 1))
     counts = [count for count in dict.fromkeys((last, last // 2)) if count >= 1]
     return counts[: max(tries_left, 0)]
+
+
+def unchecked_count(
+    fitting: int, fitting_peak: int, over: int, over_peak: int | None, budget_bytes: int
+) -> int:
+    """How many last regions to plan without a checkpoint next, strictly between the most that
+    fitted (``fitting``, its step peaking at ``fitting_peak``) and the least that did not
+    (``over``; its peak, or None where it was not planned).
+
+    Each region left unchecked holds its activations into backward, so the peak grows about
+    linearly with the count: the count where the line through the two known peaks meets the
+    budget, else halfway (Note [The budget search], rule 10).
+    """
+    if over_peak is None or over_peak <= fitting_peak:
+        guess = (fitting + over) // 2
+    else:
+        slope = (over_peak - fitting_peak) / (over - fitting)
+        guess = fitting + int((budget_bytes - fitting_peak) / slope)
+    return min(max(guess, fitting + 1), over - 1)
 
 
 def tries_inputs_on_device(

@@ -256,9 +256,9 @@ def plan_budget(
     beside them, counted at most, so that the plan never holds less than a rank does (Note [A
     sharded model's twin] in ``matepoint._planner.sharded_twin``).
 
-    Apply the plan with ``matepoint.configure(**plan.settings_changes())`` and
-    ``context_fn=plan.context_fn(i)`` on block ``i``'s checkpoint call (the planned step's
-    ``i``-th), or let the integrations plan and apply it (``budget=``).
+    Apply it with ``matepoint.integrations.matepoint_checkpoint_fn(plan, region=i)`` as block
+    ``i``'s checkpoint function (settings, policy, and the block called as it is where
+    ``plan.checkpoints_region(i)`` is False), or let the integrations plan it (``budget=``).
 
     Args:
         model: The model as it trains; its parameters may be on any device, and its blocks

@@ -59,10 +59,13 @@ def _planned_in_force(
     replan: Callable[..., Planned],
     settings: OffloadSettings,
     context_fn: Callable[[], Any] | None = None,
+    checkpointed_calls: int | None = None,
 ) -> Planned:
     """Plan the step with ``settings`` in force and each call's own options over them (Note
     [Settings a search plans under], rules 1 and 3)."""
-    return replan(None, context_fn=context_fn, in_force=settings)
+    return replan(
+        None, context_fn=context_fn, in_force=settings, checkpointed_calls=checkpointed_calls
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,7 +59,18 @@ Note [The budget search]
     Rule 10. The step without any checkpoint (``MemoryPlan``'s ``"none"`` strategy) is a
         candidate where its peak fits: it recomputes nothing and pays no policy. Where it is the
         fastest, the plan says so (``checkpoint`` False), and the integrations then run every
-        block as it is. Skipping the checkpoint of the last blocks only is not a candidate yet.
+        block as it is. Where it does not fit, the step that runs its last ``k`` regions
+        without a checkpoint (their blocks as they are: no recomputation, no policy, no
+        offload) and the others as the starting step does is a candidate too, with the most
+        ``k`` that fits (``BudgetPlan.unchecked_last``): the last blocks' activations are the
+        first backward frees. ``k`` is found by planning, each count where the line through
+        the peaks of the most that fitted and the least that did not meets the budget
+        (``decision.unchecked_count``), at most four steps; from the starting step as it is
+        and again with its inputs held on the device (rule 6), since offloading them makes
+        room for more unchecked regions but costs link time, and the time model weighs the
+        two. It is tried only where every checkpoint call of the profiled step is a region
+        (none nested in another's recomputation), so that the calls left unchecked are the
+        regions' last.
     Rule 11. A plan made with ``compiled_offload`` in force offloads nothing through its
         policy: under a whole-model compile torch's selective checkpointing saves an offloaded
         output on the device (docs/selective.md), so an offload planned there held more than
@@ -110,10 +121,10 @@ Note [Measured finalists]
         [The budget search], rule 7).
     Rule 2. Where it found a plan with a policy, it hands two finalists to ``measure``: that
         plan and the best without a policy, each with the checkpoint inputs held on the device
-        where that fits (Note [The budget search], rule 6), and a third where the step without
-        any checkpoint fits (Note [The budget search], rule 10). ``measure`` times them on the
-        real model (``math.inf`` for one that could not run, out of memory), and the fastest
-        is returned with the times.
+        where that fits (Note [The budget search], rule 6), and, where rule 10 found them, the
+        step with its last regions unchecked and the step without any checkpoint.
+        ``measure`` times them on the real model (``math.inf`` for one that could not run,
+        out of memory), and the fastest is returned with the times.
     Rule 3. A search that found no policy worth trying measures nothing.
 """
 
@@ -139,6 +150,8 @@ __all__ = ["fastest_under"]
 
 # Steps planned to keep kinds in the last regions only, at most (Note [The budget search], rule 5).
 _REGION_TRIES = 2
+# Steps planned to find how many last regions run without a checkpoint, at most (rule 10).
+_UNCHECKED_TRIES = 4
 
 
 class _Trial(NamedTuple):
@@ -228,6 +241,8 @@ class _Search:
             recomputation and backward, taken as many again as forward.
         kinds: The profiled kinds of op, best to keep first (Note [Op kinds]).
         every_block: The profiled step: matepoint on every region, nothing kept.
+        calls_are_regions: Whether every non-reentrant checkpoint call of the profiled step is
+            a region (Note [The budget search], rule 10).
         smallest: The least peak among the steps planned so far whose host side fits, the
             profile's included (Note [The budget search], rule 8); None before there is one.
     """
@@ -240,6 +255,7 @@ class _Search:
     host_ops: int
     kinds: tuple[KindProfile, ...]
     every_block: _Trial
+    calls_are_regions: bool
     smallest: int | None
     tried: list[_Choice] = dataclasses.field(default_factory=list)
 
@@ -249,15 +265,27 @@ class _Search:
         kept_in_last: dict[str, int],
         settings: OffloadSettings,
         policy_cost: bool = False,
+        unchecked_last: int = 0,
     ) -> _Trial:
-        """Plan one candidate; its time leaves out the policy's host cost unless asked."""
+        """Plan one candidate, its last ``unchecked_last`` regions without a checkpoint; its
+        time leaves out the policy's host cost unless asked."""
         context_fn = context_fn_of(decisions, kept_in_last, self.regions)
-        planned, saves = self.replan(settings, context_fn=context_fn)
+        checkpointed = self.regions - unchecked_last if unchecked_last else None
+        planned, saves = self.replan(
+            settings, context_fn=context_fn, checkpointed_calls=checkpointed
+        )
         self.note_peak(planned)
         ops = self.policy_ops_of(decisions, kept_in_last) if policy_cost else 0
-        trial = _timed(planned, settings, self.device, self.budget, self.host_ops, ops, saves)
-        self.tried.append(_Choice(trial, dict(decisions), dict(kept_in_last)))
+        host_ops = self.host_ops_of(unchecked_last)
+        trial = _timed(planned, settings, self.device, self.budget, host_ops, ops, saves)
+        self.tried.append(_Choice(trial, dict(decisions), dict(kept_in_last), True, unchecked_last))
         return trial
+
+    def host_ops_of(self, unchecked_last: int) -> int:
+        """The ops the host runs in a step whose last ``unchecked_last`` regions have no
+        checkpoint: theirs are not run again in backward."""
+        recomputed = self.host_ops // 3  # one pass of the regions' ops
+        return self.host_ops - recomputed * min(unchecked_last, self.regions) // self.regions
 
     def charged(self, choice: _Choice) -> _Choice:
         """``choice`` timed with its policy's host cost, where it has a policy (Note [The
@@ -266,7 +294,8 @@ class _Search:
             return choice
         trial = choice.trial
         ops = self.policy_ops_of(choice.decisions, choice.kept_in_last)
-        seconds = step_seconds(trial.plan, self.device, trial.settings.prefetch, ops, self.host_ops)
+        host_ops = self.host_ops_of(choice.unchecked_last)
+        seconds = step_seconds(trial.plan, self.device, trial.settings.prefetch, ops, host_ops)
         return dataclasses.replace(choice, trial=trial._replace(seconds=seconds))
 
     def policy_ops_of(self, decisions: dict[str, Decision], kept_in_last: dict[str, int]) -> int:
@@ -304,12 +333,14 @@ class _Choice:
         kept_in_last: Classes kept in the last regions only, with how many.
         checkpoint: False for the step without any checkpoint (Note [The budget search],
             rule 10).
+        unchecked_last: The last regions run without a checkpoint (rule 10).
     """
 
     trial: _Trial
     decisions: dict[str, Decision] = dataclasses.field(default_factory=dict)
     kept_in_last: dict[str, int] = dataclasses.field(default_factory=dict)
     checkpoint: bool = True
+    unchecked_last: int = 0
 
 
 def fastest_under(
@@ -353,7 +384,8 @@ def fastest_under(
     best = _Choice(plain)
     overflowed = _decide_kinds(search, best)
     _keep_in_last_regions(search, best, overflowed)
-    return _conclude(search, plain, best, measure, no_checkpoint)
+    unchecked_last = _unchecked_last_regions(search, plain, no_checkpoint)
+    return _conclude(search, plain, best, measure, no_checkpoint, unchecked_last)
 
 
 def _profiled(
@@ -375,6 +407,8 @@ def _profiled(
         host_ops=3 * profiler.ops,
         kinds=tuple(profiler.kinds()),
         every_block=_timed(profiled, settings, device, budget, 3 * profiler.ops, saves=saves),
+        calls_are_regions=profiled.checkpoint_calls == profiler.regions
+        and not profiled.recomputed_checkpoint_calls,
         smallest=None,
     )
     search.note_peak(profiled)
@@ -476,12 +510,60 @@ def _keep_in_last_regions(search: _Search, best: _Choice, overflowed: list[KindP
                 break
 
 
+def _unchecked_last_regions(
+    search: _Search, plain: _Trial, no_checkpoint: StrategyPlan | None
+) -> _Choice | None:
+    """The starting step with the most last regions that fit run without a checkpoint, where
+    that is faster, from the starting step as it is and with its inputs held on the device;
+    None where no count is tried or none fits (Note [The budget search], rule 10). Every step
+    planned joins the search's tries."""
+    if not (_UNCHECKED_TRIES and plain.fits and search.calls_are_regions and search.regions > 1):
+        return None
+    if no_checkpoint is not None and search.budget.fits(no_checkpoint):
+        return None  # every region unchecked fits: the step without any checkpoint is faster
+    starts = [plain]
+    holding = search.holding_min_offload_bytes
+    if decision.tries_inputs_on_device((), plain.settings.min_offload_bytes, holding):
+        assert holding is not None
+        held = search.attempt(
+            {}, {}, dataclasses.replace(plain.settings, min_offload_bytes=holding)
+        )
+        starts += [held] if held.fits else []
+    over_peak = None if no_checkpoint is None else no_checkpoint.peak_bytes
+    found = [_most_unchecked(search, start, over_peak) for start in starts]
+    # The inputs held first, so that a tie goes to them (rule 6).
+    chosen = [choice for choice in reversed(found) if choice is not None]
+    return min(chosen, key=lambda choice: choice.trial.seconds, default=None)
+
+
+def _most_unchecked(search: _Search, plain: _Trial, over_peak: int | None) -> _Choice | None:
+    """``plain`` with the most last regions that fit unchecked, where that is faster than
+    ``plain``; ``over_peak`` is the peak of the step without any checkpoint, if planned."""
+    fitting, fitting_peak, over = 0, plain.plan.peak_bytes, search.regions
+    chosen: _Choice | None = None
+    for _ in range(_UNCHECKED_TRIES):
+        if over - fitting <= 1:
+            break
+        count = decision.unchecked_count(
+            fitting, fitting_peak, over, over_peak, search.budget.device_bytes
+        )
+        trial = search.attempt({}, {}, plain.settings, unchecked_last=count)
+        if not trial.fits:
+            over, over_peak = count, trial.plan.peak_bytes
+            continue
+        fitting, fitting_peak = count, trial.plan.peak_bytes
+        if decision.improves(trial.outcome, plain.seconds):
+            chosen = _Choice(trial, unchecked_last=count)
+    return chosen
+
+
 def _conclude(
     search: _Search,
     plain: _Trial,
     best: _Choice,
     measure: Callable[[Sequence[BudgetPlan]], Sequence[float]] | None,
     no_checkpoint: StrategyPlan | None,
+    unchecked_last: _Choice | None,
 ) -> BudgetPlan:
     """The plan: the fastest candidate that fits, its policy's host cost counted, or the
     faster finalist measured (Note [The budget search], rules 7, 9 and 10; Note [Measured
@@ -501,11 +583,14 @@ def _conclude(
             _budget_plan(search, search.charged(best), smallest),
             _budget_plan(search, _Choice(plain), smallest),
         ]
+        if unchecked_last is not None:
+            finalists.append(_budget_plan(search, unchecked_last, smallest))
         if unchecked is not None and unchecked.trial.fits:
             finalists.append(_budget_plan(search, unchecked, smallest))
         return _measured(tuple(finalists), measure)
     # Rule 9: every candidate planned, each with its policy's host cost; the step without a
-    # policy first, so that a tie goes to it (rule 7), and without a checkpoint last (rule 10).
+    # policy first, so that a tie goes to it (rule 7), and without a checkpoint last (rule 10;
+    # the tries with the last regions unchecked are among the search's).
     candidates = [_Choice(plain), _Choice(search.every_block), search.charged(best)]
     candidates += [search.charged(tried) for tried in search.tried]
     if unchecked is not None:
@@ -525,7 +610,13 @@ def _budget_plan(search: _Search, chosen: _Choice, smallest: int | None) -> Budg
     ):
         assert holding is not None
         on_device = dataclasses.replace(trial.settings, min_offload_bytes=holding)
-        held = search.attempt(chosen.decisions, chosen.kept_in_last, on_device, policy_cost=True)
+        held = search.attempt(
+            chosen.decisions,
+            chosen.kept_in_last,
+            on_device,
+            policy_cost=True,
+            unchecked_last=chosen.unchecked_last,
+        )
         if decision.holds_inputs_on_device(held.outcome, trial.seconds):
             trial = held
     trial = _with_stash(search, chosen, trial)
@@ -542,6 +633,7 @@ def _budget_plan(search: _Search, chosen: _Choice, smallest: int | None) -> Budg
         regions=search.regions,
         settings=trial.settings,
         checkpoint=chosen.checkpoint,
+        unchecked_last=chosen.unchecked_last,
         peak_bytes=trial.plan.peak_bytes,
         pinned_bytes_per_node=trial.plan.pinned_bytes * budget.ranks_per_node,
         step_seconds=trial.seconds,
@@ -567,7 +659,7 @@ def _with_stash(search: _Search, chosen: _Choice, trial: _Trial) -> _Trial:
         search.device,
         settings.prefetch,
         search.policy_ops_of(chosen.decisions, chosen.kept_in_last),
-        search.host_ops,
+        search.host_ops_of(chosen.unchecked_last),
     )
     if not decision.stash_pays(trial.seconds, seconds):  # rule 1
         return trial
@@ -579,7 +671,11 @@ def _with_stash(search: _Search, chosen: _Choice, trial: _Trial) -> _Trial:
     def fits(level: int) -> bool:
         stashed = dataclasses.replace(settings, stash_bytes=level)
         tried[level] = search.attempt(
-            chosen.decisions, chosen.kept_in_last, stashed, policy_cost=True
+            chosen.decisions,
+            chosen.kept_in_last,
+            stashed,
+            policy_cost=True,
+            unchecked_last=chosen.unchecked_last,
         )
         return tried[level].fits
 

@@ -122,6 +122,11 @@ class StrategyPlan:
             (times are 0: nothing waits on the meta device).
         pool_would_raise: Whether ``on_pool_exhausted="raise"`` would raise in this step.
         timeline: Device and host memory through the step.
+        checkpoint_calls: The non-reentrant checkpoint calls of the step's forward, those
+            that ran their function directly included (a budget plan's regions: Note [A plan's
+            regions]).
+        recomputed_checkpoint_calls: Those of backward: checkpoint calls nested in another's
+            recomputation.
     """
 
     strategy: str
@@ -142,6 +147,8 @@ class StrategyPlan:
     counters: dict[str, int]
     pool_would_raise: bool
     timeline: tuple[TimelinePoint, ...]
+    checkpoint_calls: int = 0
+    recomputed_checkpoint_calls: int = 0
 
     @property
     def link_bytes(self) -> int:
@@ -245,9 +252,15 @@ class PlannedStep:
         options: Settings for every offloading call instead of its own, or None.
         context_fn: A ``context_fn`` for every non-reentrant checkpoint call instead of its
             own, or None.
+        checkpointed_calls: How many of the step's first non-reentrant checkpoint calls
+            checkpoint; the later ones run their function directly (a budget plan's unchecked
+            last regions), or None for all.
 
     Attributes:
         tracker: The step's memory tracker (it reads the host pool at every sample).
+        checkpoint_calls: The non-reentrant checkpoint calls of forward so far.
+        recomputed_checkpoint_calls: Those of backward so far, once ``in_backward`` is set.
+        in_backward: Whether the step's backward has begun.
     """
 
     def __init__(
@@ -256,9 +269,13 @@ class PlannedStep:
         options: OffloadSettings | None,
         context_fn: Callable[[], Any] | None,
         in_force: OffloadSettings | None = None,
+        checkpointed_calls: int | None = None,
     ) -> None:
         self.strategy = strategy
         self._in_force = in_force
+        self._checkpointed_calls = checkpointed_calls
+        self.checkpoint_calls = self.recomputed_checkpoint_calls = 0
+        self.in_backward = False
         self.context_fn = context_fn
         self.tracker = MemoryTracker(self._host)
         channel = MetaChannel(self.tracker)
@@ -290,6 +307,14 @@ class PlannedStep:
         if nbytes := tensor.numel() * tensor.element_size():
             shape, dtype = tuple(tensor.shape), str(tensor.dtype)
             self.saves.append(SavedInput(len(self.saves), nbytes, shape, dtype, fate))
+
+    def runs_checkpointed(self) -> bool:
+        if self.in_backward:  # nested in a recomputation: as its forward call ran
+            self.recomputed_checkpoint_calls += 1
+            return True
+        self.checkpoint_calls += 1
+        limit = self._checkpointed_calls
+        return limit is None or self.checkpoint_calls <= limit
 
     def _host(self) -> tuple[int, int]:
         pool = self.engine.pool
@@ -341,6 +366,14 @@ def _value_reads_named() -> Iterator[None]:
         ) from error
 
 
+def _counters(engine: ChannelEngine) -> dict[str, int]:
+    """The planned engine's :class:`matepoint.OffloadStats` after the step, by name."""
+    stats = engine.pool.snapshot()
+    stats.add(engine.counters)
+    stats.live_records, stats.device_bytes_held = engine.live_records(), engine.held_bytes()
+    return {name: int(value) for name, value in dataclasses.asdict(stats).items()}
+
+
 def run_step(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -352,24 +385,25 @@ def run_step(
     options: OffloadSettings | None,
     context_fn: Callable[[], Any] | None = None,
     in_force: OffloadSettings | None = None,
+    checkpointed_calls: int | None = None,
 ) -> Planned:
     """Run forward and backward of ``fn`` once under ``strategy`` and report its memory.
 
     Args:
         fn: The model or function, its tensors on the meta device; ``args``, ``kwargs``: its
             arguments; ``loss_fn``: turns the output into the loss (None sums it).
-        link_bandwidth: Bytes per second each way, for the link times.
-        peak_flops: FLOP/s, for the compute times.
+        link_bandwidth: Bytes/s each way, for link times; peak_flops: FLOP/s, for compute.
         strategy: ``"none"``, ``"torch"`` or ``"matepoint"``.
         options: Settings every offloading checkpoint uses instead of its own, or None.
         context_fn: A ``context_fn`` for every non-reentrant checkpoint call instead of its
             own (a budget plan's selective-checkpoint policy), or None. Default: None.
         in_force: The settings each call's own choices are laid over, instead of the process's.
+        checkpointed_calls: How many first non-reentrant calls checkpoint (None: all).
 
     Returns:
         The step's plan, and every checkpoint input matepoint saw, in order.
     """
-    planned = PlannedStep(strategy, options, context_fn, in_force)
+    planned = PlannedStep(strategy, options, context_fn, in_force, checkpointed_calls)
     tracker, engine = planned.tracker, planned.engine
     with (
         _STEP_LOCK,  # See Note [Planned steps one at a time], rule 2.
@@ -383,15 +417,13 @@ def run_step(
         with torch.enable_grad():
             loss = _loss_of(fn(*args, **kwargs), loss_fn)
         forward_flops, forward_end_bytes = tracker.end_phase()[:2]
+        planned.in_backward = True
         compat.run_backward(loss)
         del loss
         engine.settle(block=False)  # what died at the end of the step, as stats() settles it
         tracker.end_phase()
         tracker.close()
-    stats = engine.pool.snapshot()
-    stats.add(engine.counters)
-    stats.live_records, stats.device_bytes_held = engine.live_records(), engine.held_bytes()
-    counters = {name: int(value) for name, value in dataclasses.asdict(stats).items()}
+    counters = _counters(engine)
     baseline = tracker.preexisting_bytes
     timeline = tuple(
         TimelinePoint(flops, device + baseline, host, in_use, PHASES[phase])
@@ -418,5 +450,7 @@ def run_step(
         counters=counters,
         pool_would_raise=planned.raise_policy and engine.pool.pageable_fallbacks > 0,
         timeline=timeline,
+        checkpoint_calls=planned.checkpoint_calls,
+        recomputed_checkpoint_calls=planned.recomputed_checkpoint_calls,
     )
     return plan, tuple(planned.saves)

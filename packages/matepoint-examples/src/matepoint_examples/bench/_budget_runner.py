@@ -9,6 +9,7 @@ the budget search is given, so its finalists are timed the same way.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import statistics
 import time
@@ -199,12 +200,27 @@ def alternate(
 
 def plan_checkpoint_fn(plan: matepoint.BudgetPlan) -> CheckpointFn:
     """``matepoint.checkpoint`` with ``plan``'s policy (its settings go to ``Runner.settings``);
-    the blocks run as they are where the plan checkpoints nothing (``plan.checkpoint``)."""
+    the blocks run as they are where the plan checkpoints nothing (``plan.checkpoint``) or
+    not their region (``plan.unchecked_last``: the calls are counted, block ``i`` of a step
+    being region ``i``)."""
     if not plan.checkpoint:
         return no_checkpoint
-    return functools.partial(
-        matepoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn()
-    )
+    if not plan.unchecked_last:
+        return functools.partial(
+            matepoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn()
+        )
+    calls = itertools.count()
+
+    def by_region(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        region = next(calls) % plan.regions
+        if not plan.checkpoints_region(region):
+            return no_checkpoint(function, *args, **kwargs)
+        context_fn = plan.context_fn(region)
+        return matepoint.checkpoint(
+            function, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+        )
+
+    return by_region
 
 
 def plan_one_call(

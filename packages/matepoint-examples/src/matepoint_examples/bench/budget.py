@@ -105,7 +105,7 @@ def parse_bytes(text: str) -> int:
 
 def _choice(plan: matepoint.BudgetPlan) -> tuple[Any, ...]:
     """What a plan does: its decisions, where it keeps, and its settings."""
-    return plan.decisions, plan.kept_in_last, plan.settings_changes()
+    return plan.decisions, plan.kept_in_last, plan.unchecked_last, plan.settings_changes()
 
 
 def _plan(workload: BudgetWorkload) -> matepoint.MemoryPlan:
@@ -150,6 +150,7 @@ def _plan_fields(plan: matepoint.BudgetPlan, predicted: Callable[[int], int]) ->
         "checkpoint": plan.checkpoint,
         "decisions": dict(plan.decisions),
         "kept_in_last": dict(plan.kept_in_last),
+        "unchecked_last": plan.unchecked_last,
         "settings": plan.settings_changes(),
         "predicted_peak_bytes": predicted(plan.peak_bytes),
         "smallest_budget_bytes": predicted(plan.smallest_budget_bytes),
