@@ -24,6 +24,7 @@ from torch import nn
 
 import matepoint
 import matepoint.integrations as mi
+import matepoint_compat as compat
 from matepoint.testing import CPUTestTransport
 
 
@@ -409,3 +410,85 @@ def test_a_plan_without_checkpoint_is_planned_again_with_checkpoints_on_an_overs
     assert guard.replans == 1
     assert guard.plan.checkpoint
     assert guard.plan.regions == BLOCKS
+
+
+# --- Note [The budget guard], rule 5: the blocks name the plan outside step() ------------------
+
+
+def _out_of_memory_in(block: nn.Module, when: str) -> Any:
+    """Make ``block`` run out of memory in its forward or in its recomputation."""
+
+    def run_out(*_args: Any) -> None:
+        if (when == "recomputation") == compat.in_backward():
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+
+    return block.register_forward_pre_hook(run_out)
+
+
+@needs_plans
+@pytest.mark.parametrize("when", ["forward", "recomputation"])
+def test_a_block_names_the_plan_outside_step_and_training_goes_on(
+    cpu_transport: CPUTestTransport, when: str
+) -> None:
+    model, blocks, guard = _guarded()
+    plan = guard.plan
+    model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()  # gradients to clear
+    handle = _out_of_memory_in(blocks[1], when)
+    with pytest.raises(
+        matepoint.BudgetOutOfMemoryError, match="budget plan of 4 regions"
+    ) as caught:
+        model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+    handle.remove()
+    assert caught.value.plan is plan
+    assert "Tried to allocate 3.00 GiB" in str(caught.value)
+    assert isinstance(caught.value.__cause__, torch.cuda.OutOfMemoryError)
+    grads = [p.grad for p in model.parameters()]
+    if when == "forward":  # cleared at once
+        assert all(grad is None for grad in grads)
+    else:  # backward had accumulated into the later blocks: cleared before the next forward
+        assert any(grad is not None for grad in grads)
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(*SHAPE))
+        model.train()
+        assert all(p.grad is None for p in model.parameters())
+    for seed in range(2):
+        _step_matches_torch(model, blocks, plan, seed)
+
+
+@needs_plans
+def test_an_out_of_memory_error_outside_the_blocks_keeps_torchs_error_outside_step() -> None:
+    """Only step() sees the whole step: backward's own error, outside any block's recomputation,
+    is torch's."""
+    model, blocks, _guard = _guarded()
+
+    def run_out(_grad: torch.Tensor) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    def out_of_memory_in_backward(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+        output.register_hook(run_out)
+
+    blocks[1].register_forward_hook(out_of_memory_in_backward)
+    with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
+        model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+    assert not isinstance(caught.value, matepoint.BudgetOutOfMemoryError)
+
+
+@needs_plans
+def test_without_a_guard_the_blocks_keep_torchs_error() -> None:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [Block() for _ in range(BLOCKS)]
+    model = nn.Sequential(*blocks)
+    mi.apply_matepoint_checkpointing(
+        model,
+        lambda m: isinstance(m, Block),
+        budget="1GiB",
+        example_batch=torch.randn(*SHAPE),
+        optimizer=None,
+        device=FREE_POLICY,
+        guard=False,
+    )
+    _out_of_memory_in(blocks[1], "forward")
+    with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
+        model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+    assert not isinstance(caught.value, matepoint.BudgetOutOfMemoryError)

@@ -1,4 +1,5 @@
-"""Questions about the saved-tensor hook stack that torch only answers through private calls."""
+"""Questions about autograd's state (the saved-tensor hook stack, a running backward) that torch
+only answers through private calls."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from matepoint_compat._version import TORCH_2_8_PLUS
 
-__all__ = ["saved_tensors_hooks_active", "saved_tensors_hooks_enabled"]
+__all__ = ["in_backward", "saved_tensors_hooks_active", "saved_tensors_hooks_enabled"]
 
 
 class _HookDepth(threading.local):
@@ -86,3 +87,17 @@ def saved_tensors_hooks_enabled() -> bool:
     """
     is_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
     return True if is_enabled is None else bool(is_enabled())
+
+
+def in_backward() -> bool:
+    """Return whether this thread runs inside a backward pass (a hook, a recomputation).
+
+    torch answers through the private ``torch._C._current_graph_task_id`` (-1 outside a
+    backward; 2.4 to 2.15 have it, checked by the test matrix, and torch's own checkpoint reads
+    it); a release without it is taken as never inside one.
+
+    Returns:
+        True while autograd's engine runs a graph task on this thread.
+    """
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and int(task_id()) != -1

@@ -3,7 +3,8 @@
 A plan's peak is predicted on the meta device; the real step's peak is read from the device
 after it ran. :class:`BudgetGuard` compares the two on the first steps under a plan and, where
 the step went over the budget, warns with the figures and plans again with the measured gap
-(Note [The budget guard]). An out-of-memory error in a guarded step is re-raised as
+(Note [The budget guard]). An out-of-memory error in a guarded step, or in a block the
+integrations run under the guard's plan, is re-raised as
 :class:`matepoint.BudgetOutOfMemoryError`, naming the plan, with the model left usable.
 
 The integrations' ``budget=`` path installs a guard on the model's root module
@@ -26,12 +27,21 @@ Note [The budget guard]
         the model's and the optimizer's gradients are set to None (a half-run backward has
         accumulated into some only), and the frames of the error are cleared so the tensors
         they held are freed; the next step starts from a clean model.
+    Rule 5. Under an integration's ``budget=``, the blocks it runs name the plan too, outside
+        :meth:`BudgetGuard.step`: an out-of-memory error in a block's forward or in its
+        recomputation is re-raised so, the frames cleared as in rule 4 (``naming_the_plan``).
+        The gradients are set to None at once where the error came from forward, and before
+        the model's next forward where it came from backward, whose engine may still be
+        winding down other work. An error elsewhere in the step (the optimizer's, backward's
+        own buffers) keeps torch's message: only ``step()`` sees the whole step. Under a
+        compile the blocks run as they are traced, without the renaming.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import traceback
 import warnings
 import weakref
@@ -187,6 +197,7 @@ class BudgetGuard:
         self._read = 0  # steps read under the plan in force
         self._started = False  # a step's peak is being counted
         self._in_step = False
+        self._clear_before_forward = False  # rule 5: a backward ran out of memory
         self._handle: Any = None
 
     def _predicted(self, plan: BudgetPlan) -> int:
@@ -276,13 +287,17 @@ class BudgetGuard:
             self._in_step = False
         self.check()
 
-    def _out_of_memory(self, error: BaseException) -> BudgetOutOfMemoryError:
-        """Clear what the failed step left (rule 4) and name the plan."""
+    def _out_of_memory(
+        self, error: BaseException, *, clear_now: bool = True
+    ) -> BudgetOutOfMemoryError:
+        """Clear what the failed step left, now or before the next forward (rules 4 and 5),
+        and name the plan."""
         if error.__traceback__ is not None:
             traceback.clear_frames(error.__traceback__)
-        for owner in (self._model, self._optimizer):
-            if owner is not None:
-                owner.zero_grad(set_to_none=True)
+        if clear_now:
+            self._clear_gradients()
+        else:
+            self._clear_before_forward = True
         self._started = False
         first = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
         return BudgetOutOfMemoryError(
@@ -295,6 +310,13 @@ class BudgetGuard:
             budget_bytes=self.budget_bytes,
             predicted_bytes=self._predicted(self.plan),
         )
+
+    def _clear_gradients(self) -> None:
+        """Set the model's and the optimizer's gradients to None (rule 4)."""
+        self._clear_before_forward = False
+        for owner in (self._model, self._optimizer):
+            if owner is not None:
+                owner.zero_grad(set_to_none=True)
 
     def attach(self, model: nn.Module) -> BudgetGuard:
         """Read each step at the root module's next training forward; :func:`budget_guard`
@@ -326,11 +348,52 @@ class _GuardHook:
         guard = self.guard
         if guard is None or self.root is None or module is not self.root() or guard._in_step:
             return
+        if guard._clear_before_forward:  # rule 5
+            guard._clear_gradients()
         if module.training and torch.is_grad_enabled() and guard.watching:
             guard.check()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_GuardHook, ())
+
+
+def naming_the_plan(
+    guard: BudgetGuard, checkpoint_function: functools.partial[Any]
+) -> functools.partial[Any]:
+    """``checkpoint_function`` (what an integration runs a block with) with an out-of-memory
+    error in the block's forward or its recomputation re-raised naming ``guard``'s plan (See
+    Note [The budget guard], rule 5)."""
+    return functools.partial(run_naming_the_plan, weakref.ref(guard), checkpoint_function)
+
+
+def run_naming_the_plan(
+    guard: weakref.ref[BudgetGuard],
+    checkpoint_function: Callable[..., Any],
+    block: Callable[..., Any],
+    /,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Run ``block`` through ``checkpoint_function``, both naming the plan: the call covers
+    forward, the block given to it the recomputation too."""
+    if guard() is None or compat.compile_tracing():
+        return checkpoint_function(block, *args, **kwargs)
+    named_block = functools.partial(_naming_the_plan, guard, block)
+    return _naming_the_plan(guard, checkpoint_function, named_block, *args, **kwargs)
+
+
+def _naming_the_plan(
+    guard: weakref.ref[BudgetGuard], function: Callable[..., Any], /, *args: Any, **kwargs: Any
+) -> Any:
+    """Call ``function``; re-raise an out-of-memory error in it naming the plan (rule 5)."""
+    try:
+        return function(*args, **kwargs)
+    except torch.cuda.OutOfMemoryError as error:
+        watching = guard()
+        if watching is None or watching._in_step or isinstance(error, BudgetOutOfMemoryError):
+            raise  # step() names it; or named already, by the recomputation
+        renamed = watching._out_of_memory(error, clear_now=not compat.in_backward())
+        raise renamed from error
 
 
 def budget_guard(model: nn.Module) -> BudgetGuard | None:

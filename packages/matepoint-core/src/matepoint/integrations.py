@@ -40,7 +40,13 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from matepoint._checkpoint import checkpoint
-from matepoint._guard import BudgetGuard, CudaMemory, meta_batch
+from matepoint._guard import (
+    BudgetGuard,
+    CudaMemory,
+    meta_batch,
+    naming_the_plan,
+    run_naming_the_plan,
+)
 from matepoint._options import configure
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.live_model import plan_prepared, rank_optimizer
@@ -345,12 +351,19 @@ def _replan_hf(
     return _planned(model, prepare, *args)
 
 
-def _apply_hf(model: nn.Module, checkpoint_kwargs: dict[str, Any], plan: BudgetPlan) -> None:
-    """Apply ``plan`` to the transformers ``model``'s checkpointed layers, one region each."""
+def _apply_hf(
+    model: nn.Module,
+    checkpoint_kwargs: dict[str, Any],
+    plan: BudgetPlan,
+    guard: BudgetGuard | None = None,
+) -> None:
+    """Apply ``plan`` to the transformers ``model``'s checkpointed layers, one region each,
+    naming ``guard``'s plan in an out-of-memory error where there is one."""
     layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
     functions = _hf_layer_functions(layers, plan, checkpoint_kwargs)
     for layer, function in zip(layers, functions, strict=True):
-        layer._gradient_checkpointing_func = function  # type: ignore[assignment]
+        named = function if guard is None else naming_the_plan(guard, function)
+        layer._gradient_checkpointing_func = named  # type: ignore[assignment]
 
 
 def _attach_guard(
@@ -358,16 +371,30 @@ def _attach_guard(
     plan: BudgetPlan,
     optimizer: Any,
     replan: Callable[[int], BudgetPlan],
-    apply: Callable[[BudgetPlan], None],
+    apply: Callable[..., None],
 ) -> None:
-    """Attach a guard on ``plan``'s first steps to ``model``, reading its device's peaks
-    (See Note [The budget guard] in ``matepoint._guard``); on a CPU model it reads nothing."""
+    """Attach a guard on ``plan``'s first steps to ``model``, reading its device's peaks, and
+    apply the plan again with the blocks naming it in an out-of-memory error (See Note [The
+    budget guard], rules 1 and 5, in ``matepoint._guard``); on a CPU model it reads nothing.
+    ``apply`` takes the plan and ``guard=``."""
     # Counted as the plan counted them: one rank's, for an FSDP2 model.
     counted = rank_optimizer(model, optimizer)
     states = 0 if counted is None else optimizer_state_bytes(counted)
+    guards: list[BudgetGuard] = []
+
+    def apply_naming(new_plan: BudgetPlan) -> None:
+        apply(new_plan, guard=guards[0])
+
     guard = BudgetGuard(
-        plan, replan=replan, apply=apply, states_bytes=states, model=model, optimizer=optimizer
+        plan,
+        replan=replan,
+        apply=apply_naming,
+        states_bytes=states,
+        model=model,
+        optimizer=optimizer,
     )
+    guards.append(guard)
+    apply_naming(plan)
     device = next((p.device for p in model.parameters()), None)
     guard.memory = CudaMemory(device) if device is not None and device.type == "cuda" else None
     guard.attach(model)
@@ -609,8 +636,9 @@ def _replan_wrapped(
     without the plan in force."""
 
     def unplanned(twin: nn.Module) -> None:
-        # A plan without checkpoints left its blocks running as they are: checkpoint them again.
-        planned = (checkpoint, _without_checkpoint)
+        # The plan in force ran some blocks as they are, each region under its own policy, all
+        # naming it: checkpoint every one again, without the plan.
+        planned = (checkpoint, _without_checkpoint, _next_region, run_naming_the_plan)
         for module in twin.modules():
             function = getattr(module, "checkpoint_fn", None)
             if isinstance(function, functools.partial) and function.func in planned:
@@ -621,13 +649,18 @@ def _replan_wrapped(
 
 
 def _apply_wrapped(
-    wrappers: list[nn.Module], checkpoint_kwargs: dict[str, Any], plan: BudgetPlan
+    wrappers: list[nn.Module],
+    checkpoint_kwargs: dict[str, Any],
+    plan: BudgetPlan,
+    guard: BudgetGuard | None = None,
 ) -> None:
-    """Apply ``plan`` to the wrapped blocks, block ``i`` with region ``i``."""
+    """Apply ``plan`` to the wrapped blocks, block ``i`` with region ``i``, naming ``guard``'s
+    plan in an out-of-memory error where there is one."""
     _check_blocks(plan, len(wrappers), "wrapped blocks")
     for region, wrapper in enumerate(wrappers):
         function = matepoint_checkpoint_fn(plan, region=region, **checkpoint_kwargs)
-        wrapper.checkpoint_fn = function  # type: ignore[assignment]
+        named = function if guard is None else naming_the_plan(guard, function)
+        wrapper.checkpoint_fn = named  # type: ignore[assignment]
 
 
 def _wrap_blocks(
