@@ -16,6 +16,8 @@ checkpointing side by side, so their ratios are meaningful on the machine at han
   around torch's modes).
 - ``matepoint, plan keeps last``: a plan that keeps attention in the last block only and
   recomputes the rest (``kept_in_last``).
+- ``matepoint, plan keeps projections``: the plan that keeps without attention: its modes run
+  around the three kept products alone (Note [Scoped selective-checkpoint modes]).
 
 docs/selective.md ("Host cost") has the numbers and where the time goes.
 """
@@ -51,6 +53,7 @@ _KEEPS: dict[str, Decision] = {
     "matmul 64x64": "recompute",
 }
 _OFFLOADS: dict[str, Decision] = {**_KEEPS, "matmul 64x128 #1": "offload"}
+_PROJECTIONS: dict[str, Decision] = {**_KEEPS, "attention": "recompute"}
 # (checkpoint, decisions, kept_in_last) per case; no decisions: no context_fn.
 _CASES: dict[str, tuple[str, dict[str, Decision], dict[str, int]]] = {
     "torch": ("torch", {}, {}),
@@ -59,6 +62,7 @@ _CASES: dict[str, tuple[str, dict[str, Decision], dict[str, int]]] = {
     "matepoint, plan keeps": ("matepoint", _KEEPS, {}),
     "matepoint, plan offloads": ("matepoint", _OFFLOADS, {}),
     "matepoint, plan keeps last": ("matepoint", {}, {"attention": 1}),
+    "matepoint, plan keeps projections": ("matepoint", _PROJECTIONS, {}),
 }
 
 

@@ -71,7 +71,8 @@ def offload_policy_outputs(
     """Wrap a checkpoint's ``context_fn`` so its policy's CPU-offload outputs go to the host.
 
     See Note [Offloading what a selective policy saves]. Contexts other than torch's
-    selective-checkpoint pair are returned as the ``context_fn`` made them.
+    selective-checkpoint pair, or a budget plan's scoping of it, are returned as the
+    ``context_fn`` made them.
 
     Args:
         context_fn: The checkpoint call's ``context_fn``.
@@ -92,4 +93,13 @@ def offload_policy_outputs(
                 saved.owner.counters.bytes_offloaded_by_policy += saved.nbytes
         return _OffloadedOutput(saved, options)
 
-    return lambda: compat.offloading_selective_contexts(context_fn(), offload)
+    def offloading_context_fn() -> Any:
+        contexts = context_fn()
+        # A budget plan's scoped modes hold torch's pair inside (Note [Scoped
+        # selective-checkpoint modes] in matepoint._planner.scoped_modes).
+        with_modes = getattr(contexts, "with_modes", None)
+        if with_modes is not None:
+            return with_modes(compat.offloading_selective_contexts(contexts.modes, offload))
+        return compat.offloading_selective_contexts(contexts, offload)
+
+    return offloading_context_fn

@@ -16,6 +16,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint_compat as compat
 from matepoint._planner.op_kinds import named_kind, occurrence_class, op_kind
+from matepoint._planner.scoped_modes import scoped_contexts
 
 __all__ = ["AVAILABLE", "OFFLOAD_AVAILABLE", "Decision", "context_fn_of", "policy_of"]
 
@@ -41,6 +42,10 @@ _OTHER_OPS: set[int] = set()
 
 # The mark of a policy that answers "recompute" for every op (Note [A plan's regions], rule 5).
 _RECOMPUTES_EVERYTHING = "_matepoint_recomputes_everything"
+# A policy's kinds it keeps or offloads some op of (None where it decides "other"), and its
+# counts per kind in forward (Note [Scoped selective-checkpoint modes], rules 2, 4 and 7).
+_SCOPED_KINDS = "_matepoint_scoped_kinds"
+_SEEN = "_matepoint_seen"
 
 
 def policy_of(
@@ -75,6 +80,9 @@ def policy_of(
             still made, for the region's count; under a tracer (``torch.compile``, export, a
             fake-tensor mode) the modes stay, since torch compiles a checkpoint by what they
             tag.
+        Rule 6. Any other region runs torch's modes only around the module calls where its
+            policy keeps or offloads ops, learnt on its block's first call (Note [Scoped
+            selective-checkpoint modes] in ``matepoint._planner.scoped_modes``).
     """
     kept = [name for name, last in kept_in_last.items() if region >= regions - last]
     table = _table_of({**decisions, **dict.fromkeys(kept, "keep")})
@@ -109,6 +117,13 @@ def policy_of(
     ]
     if all(value is recompute for value in values):
         policy.__dict__[_RECOMPUTES_EVERYTHING] = True
+    scoped = frozenset(
+        kind
+        for kind, (kind_value, by_occurrence) in table.items()
+        if any(value is not recompute for value in (kind_value, *by_occurrence.values()))
+    )
+    policy.__dict__[_SCOPED_KINDS] = None if "other" in scoped else scoped
+    policy.__dict__[_SEEN] = seen_in_forward
     # A plan that offloads nothing needs no offload wrapper around its contexts.
     offloads = _POLICY_VALUES.get("offload")
     return policy if offloads in values else compat.never_offloading(policy)
@@ -134,13 +149,16 @@ def _table_of(chosen: dict[str, Decision]) -> dict[str, tuple[Any, dict[int, Any
 
 
 def _contexts(policy: Callable[..., Any]) -> Any:
-    """torch's selective-checkpoint contexts around ``policy``; none where it recomputes every
-    op and no tracer sees the ops (See Note [A plan's regions], rule 5)."""
-    if getattr(policy, _RECOMPUTES_EVERYTHING, False) and not compat.tracing_ops():
+    """torch's selective-checkpoint contexts around ``policy``: none where it recomputes every
+    op, scoped to where it decides otherwise, unless a tracer sees the ops (See Note [A plan's
+    regions], rules 5 and 6)."""
+    if compat.tracing_ops():
+        return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
+            policy
+        )
+    if getattr(policy, _RECOMPUTES_EVERYTHING, False):
         return torch_checkpoint.noop_context_fn()  # type: ignore[no-untyped-call]
-    return torch_checkpoint.create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
-        policy
-    )
+    return scoped_contexts(policy, policy.__dict__[_SCOPED_KINDS], policy.__dict__[_SEEN])
 
 
 def context_fn_of(
