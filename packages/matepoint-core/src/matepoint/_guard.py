@@ -358,7 +358,7 @@ class _GuardHook:
 
 
 def naming_the_plan(
-    guard: BudgetGuard, checkpoint_function: functools.partial[Any]
+    guard: BudgetGuard, checkpoint_function: Callable[..., Any]
 ) -> functools.partial[Any]:
     """``checkpoint_function`` (what an integration runs a block with) with an out-of-memory
     error in the block's forward or its recomputation re-raised naming ``guard``'s plan (See
@@ -378,7 +378,9 @@ def run_naming_the_plan(
     forward, the block given to it the recomputation too."""
     if guard() is None or compat.compile_tracing():
         return checkpoint_function(block, *args, **kwargs)
-    named_block = functools.partial(_naming_the_plan, guard, block)
+    # A block compiled with its plan recomputes inside its compiled backward, out of reach.
+    compiled = getattr(checkpoint_function, "runs_its_block_compiled", False)
+    named_block = block if compiled else functools.partial(_naming_the_plan, guard, block)
     return _naming_the_plan(guard, checkpoint_function, named_block, *args, **kwargs)
 
 

@@ -40,6 +40,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from matepoint._checkpoint import checkpoint
+from matepoint._compiled.blocks import CompiledBlockCheckpoint
 from matepoint._guard import (
     BudgetGuard,
     CudaMemory,
@@ -47,7 +48,7 @@ from matepoint._guard import (
     naming_the_plan,
     run_naming_the_plan,
 )
-from matepoint._options import configure
+from matepoint._options import configure, options
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.live_model import plan_prepared, rank_optimizer
 from matepoint._planner.optimizer_states import optimizer_state_bytes
@@ -171,6 +172,33 @@ def matepoint_checkpoint_fn(
     return functools.partial(checkpoint, **{"use_reentrant": False, **checkpoint_kwargs})
 
 
+def _block_function(
+    plan: BudgetPlan | None,
+    region: int | None,
+    compile: bool | Mapping[str, Any],
+    checkpoint_kwargs: dict[str, Any],
+) -> Callable[..., Any]:
+    """What a wrapper runs its block with: :func:`matepoint_checkpoint_fn`, or, with
+    ``compile``, the block compiled with its region of the plan (Note [A block compiled with its
+    plan] in ``matepoint._compiled.blocks``; ``compile`` True or ``torch.compile``'s keyword
+    arguments)."""
+    if not compile:
+        return matepoint_checkpoint_fn(plan, region=region, **checkpoint_kwargs)
+    options = dict(checkpoint_kwargs)
+    offload, pipeline = options.pop("offload", None), options.pop("pipeline", True)
+    if plan is not None:
+        # compiled_offload chose the search's rule 11; the block's compile needs no more of it.
+        configure(**{**plan.settings_changes(), "compiled_offload": False})
+    return CompiledBlockCheckpoint(
+        plan,
+        region or 0,
+        offload=offload,
+        pipeline=pipeline,
+        compile_options=None if compile is True else dict(compile),
+        checkpoint_options=options,
+    )
+
+
 def _planned(
     model: nn.Module,
     prepare: Callable[[nn.Module], nn.Module | None],
@@ -181,9 +209,11 @@ def _planned(
     loss_fn: Callable[[Any], Any] | None,
     device: DeviceModel | None,
     scope: contextlib.AbstractContextManager[Any] | None = None,
+    compile: bool | Mapping[str, Any] = False,
 ) -> BudgetPlan:
     """The plan of ``model`` with ``prepare`` applied to its meta twin, after the checks;
-    planned within ``scope`` where one is given."""
+    planned within ``scope`` where one is given, and for compiled blocks with ``compile``
+    (Note [A block compiled with its plan], rule 3, in ``matepoint._compiled.blocks``)."""
     if budget_plan is not None:
         raise TypeError(
             "pass budget= to plan here or budget_plan= for a plan made before, not both"
@@ -195,7 +225,8 @@ def _planned(
             "budget= counts the optimizer's states: pass optimizer= (None where none share "
             "the device)"
         )
-    with scope or contextlib.nullcontext():
+    compiled = options(compiled_offload=True) if compile else contextlib.nullcontext()
+    with scope or contextlib.nullcontext(), compiled:
         return plan_prepared(
             model,
             example_batch,
@@ -472,6 +503,7 @@ def checkpoint_wrapper(
     budget_plan: BudgetPlan | None = None,
     region: int | None = None,
     guard: bool = True,
+    compile: bool | Mapping[str, Any] = False,
     **checkpoint_kwargs: Any,
 ) -> nn.Module:
     """Wrap ``module`` in torch's ``CheckpointWrapper`` with ``matepoint.checkpoint`` inside.
@@ -488,10 +520,8 @@ def checkpoint_wrapper(
 
     Args:
         module: The module to checkpoint on every call.
-        budget: Device memory the module's step may use (see :func:`matepoint.plan_budget`).
-            Default: None, no plan.
-        example_batch: With ``budget``: the module's input, as :func:`matepoint.plan_budget`
-            takes it.
+        budget: The module's step's device memory (:func:`matepoint.plan_budget`). Default: None.
+        example_batch: With ``budget``: the module's input (:func:`matepoint.plan_budget`).
         optimizer: With ``budget``: the optimizer (None where none shares the device).
         loss_fn: With ``budget``: turns the output into the loss. Default: its sum.
         device: With ``budget``: the time model's rates. Default: an H200's.
@@ -500,8 +530,10 @@ def checkpoint_wrapper(
             ``i``-th checkpoint call) takes ``i``. Needed where the plan keeps in its last
             regions or leaves them unchecked (Note [A plan's regions]); else any region
             decides alike. Default: None.
-        guard: With ``budget``: attach a :class:`matepoint.BudgetGuard` to the wrapper
-            (:func:`matepoint.budget_guard` finds it). Default: True.
+        guard: With ``budget``: attach a :class:`matepoint.BudgetGuard`. Default: True.
+        compile: Compile the block with its checkpoint and plan inside, True or
+            ``torch.compile``'s keyword arguments (Note [A block compiled with its plan]).
+            Default: False.
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint`.
             ``use_reentrant`` defaults to ``False``.
 
@@ -509,14 +541,13 @@ def checkpoint_wrapper(
         The wrapper module.
 
     Raises:
-        TypeError: For a plan that keeps in its last regions or leaves them unchecked,
-            without ``region``; for
+        TypeError: For a plan deciding its last regions apart, without ``region``; for
             ``budget`` without ``example_batch`` or ``optimizer``.
     """
     if budget is not None:
         wrap = functools.partial(checkpoint_wrapper, **checkpoint_kwargs)
         args = (budget, budget_plan, example_batch, optimizer, loss_fn, device)
-        budget_plan, region = _planned(module, wrap, *args), 0
+        budget_plan, region = _planned(module, wrap, *args, compile=compile), 0
     if budget_plan is not None and region is None:
         if (by_place := _last_regions_apart(budget_plan)) and budget_plan.regions > 1:
             raise TypeError(
@@ -526,16 +557,17 @@ def checkpoint_wrapper(
                 "apply_matepoint_checkpointing(budget_plan=plan)"
             )
         region = 0
-    function = matepoint_checkpoint_fn(budget_plan, region=region, **checkpoint_kwargs)
+    function = _block_function(budget_plan, region, compile, checkpoint_kwargs)
     wrapper = torch_checkpoint_wrapper(module, function)
     if budget is not None and guard:
         assert budget_plan is not None
-        apply = functools.partial(_apply_wrapped, [wrapper], checkpoint_kwargs)
+        apply = functools.partial(_apply_wrapped, [wrapper], checkpoint_kwargs, compile=compile)
 
         batch = meta_batch(example_batch)
 
         def replan(total: int) -> BudgetPlan:
-            return _planned(module, wrap, total, None, batch, optimizer, loss_fn, device)
+            args = (total, None, batch, optimizer, loss_fn, device)
+            return _planned(module, wrap, *args, compile=compile)
 
         _attach_guard(wrapper, budget_plan, optimizer, replan, apply)
     return wrapper
@@ -553,6 +585,7 @@ def apply_matepoint_checkpointing(
     device: DeviceModel | None = None,
     budget_plan: BudgetPlan | None = None,
     guard: bool = True,
+    compile: bool | Mapping[str, Any] = False,
     **checkpoint_kwargs: Any,
 ) -> BudgetPlan | None:
     """Wrap the submodules of ``model`` that ``check_fn`` selects with :func:`checkpoint_wrapper`.
@@ -573,29 +606,26 @@ def apply_matepoint_checkpointing(
     Args:
         model: The model to modify in place.
         check_fn: Which submodules to wrap. Default: every one (rarely what you want).
-        auto_wrap_policy: torch's wrap policy; takes precedence over ``check_fn``.
-            Default: ``None``.
-        budget: Device memory the step may use, the optimizer's states included: bytes, a
-            string such as ``"40GiB"``, or ``"auto"`` (see :func:`matepoint.plan_budget`).
-            Default: None, no plan.
+        auto_wrap_policy: torch's wrap policy, taken before ``check_fn``. Default: None.
+        budget: Device memory the step may use, the optimizer's states included: bytes,
+            ``"40GiB"`` or ``"auto"`` (:func:`matepoint.plan_budget`). Default: None, no plan.
         example_batch: With ``budget``: one batch, as :func:`matepoint.plan_budget` takes it.
         optimizer: With ``budget``: the optimizer (None where none shares the device).
         loss_fn: With ``budget``: turns the output into the loss. Default: its sum.
         device: With ``budget``: the time model's rates. Default: an H200's.
         budget_plan: A plan made before, applied block by block. Default: None.
-        guard: With ``budget``: attach a :class:`matepoint.BudgetGuard` to the model
-            (:func:`matepoint.budget_guard` finds it). Default: True.
+        guard: With ``budget``: attach a :class:`matepoint.BudgetGuard`. Default: True.
+        compile: Compile each block with its checkpoint and plan inside (torchtitan's
+            pattern; see :func:`checkpoint_wrapper`). Default: False.
         **checkpoint_kwargs: Keyword arguments of :func:`matepoint.checkpoint`.
             ``use_reentrant`` defaults to ``False``.
 
     Returns:
-        The plan applied (a re-plan of the guard replaces it: ``budget_guard(model).plan``),
-        or None without one.
+        The plan applied (the guard's re-plan replaces it: ``budget_guard(model).plan``) or None.
 
     Raises:
         TypeError: For ``budget`` without ``example_batch`` or ``optimizer``.
-        ValueError: Where the blocks outnumber the plan's regions, or differ from them in
-            number for a plan that keeps in its last regions or leaves them unchecked.
+        ValueError: Where the blocks and the plan's regions disagree (Note [A plan's regions]).
     """
     if budget is not None:
         calls: list[int] = []
@@ -606,19 +636,21 @@ def apply_matepoint_checkpointing(
                 wrapper.register_forward_pre_hook(functools.partial(_called, calls, index))
 
         args = (budget, budget_plan, example_batch, optimizer, loss_fn, device)
-        budget_plan = _planned(model, prepare, *args)
+        budget_plan = _planned(model, prepare, *args, compile=compile)
         _check_call_order(calls, budget_plan.regions)
     if budget_plan is not None and auto_wrap_policy is None:
         selected = [m for m in model.modules() if m is not model and check_fn(m)]
         _check_blocks(budget_plan, len(selected), "blocks to wrap")
-    wrappers = _wrap_blocks(model, check_fn, auto_wrap_policy, budget_plan, checkpoint_kwargs)
+    wrappers = _wrap_blocks(
+        model, check_fn, auto_wrap_policy, budget_plan, checkpoint_kwargs, compile
+    )
     if budget is not None and guard:
         assert budget_plan is not None
         batch = meta_batch(example_batch)
         replan = functools.partial(
-            _replan_wrapped, model, checkpoint_kwargs, batch, optimizer, loss_fn, device
+            _replan_wrapped, model, checkpoint_kwargs, batch, optimizer, loss_fn, device, compile
         )
-        apply = functools.partial(_apply_wrapped, wrappers, checkpoint_kwargs)
+        apply = functools.partial(_apply_wrapped, wrappers, checkpoint_kwargs, compile=compile)
         _attach_guard(model, budget_plan, optimizer, replan, apply)
     return budget_plan
 
@@ -630,10 +662,11 @@ def _replan_wrapped(
     optimizer: Any,
     loss_fn: Callable[[Any], Any] | None,
     device: DeviceModel | None,
+    compile: bool | Mapping[str, Any],
     total: int,
 ) -> BudgetPlan:
     """Plan the wrapped ``model`` again at ``total`` bytes, its twin's blocks checkpointed
-    without the plan in force."""
+    without the plan in force (and eagerly: the twin runs on the meta device)."""
 
     def unplanned(twin: nn.Module) -> None:
         # The plan in force ran some blocks as they are, each region under its own policy, all
@@ -641,11 +674,12 @@ def _replan_wrapped(
         planned = (checkpoint, _without_checkpoint, _next_region, run_naming_the_plan)
         for module in twin.modules():
             function = getattr(module, "checkpoint_fn", None)
-            if isinstance(function, functools.partial) and function.func in planned:
+            inner = function.func if isinstance(function, functools.partial) else function
+            if inner in planned or isinstance(inner, CompiledBlockCheckpoint):
                 module.checkpoint_fn = matepoint_checkpoint_fn(**checkpoint_kwargs)  # type: ignore[assignment]
 
     args = (total, None, example_batch, optimizer, loss_fn, device)
-    return _planned(model, unplanned, *args)
+    return _planned(model, unplanned, *args, compile=compile)
 
 
 def _apply_wrapped(
@@ -653,12 +687,14 @@ def _apply_wrapped(
     checkpoint_kwargs: dict[str, Any],
     plan: BudgetPlan,
     guard: BudgetGuard | None = None,
+    compile: bool | Mapping[str, Any] = False,
 ) -> None:
-    """Apply ``plan`` to the wrapped blocks, block ``i`` with region ``i``, naming ``guard``'s
-    plan in an out-of-memory error where there is one."""
+    """Apply ``plan`` to the wrapped blocks, block ``i`` with region ``i``, compiled with it
+    where ``compile`` says, naming ``guard``'s plan in an out-of-memory error where there is
+    one."""
     _check_blocks(plan, len(wrappers), "wrapped blocks")
     for region, wrapper in enumerate(wrappers):
-        function = matepoint_checkpoint_fn(plan, region=region, **checkpoint_kwargs)
+        function = _block_function(plan, region, compile, checkpoint_kwargs)
         named = function if guard is None else naming_the_plan(guard, function)
         wrapper.checkpoint_fn = named  # type: ignore[assignment]
 
@@ -669,15 +705,23 @@ def _wrap_blocks(
     auto_wrap_policy: Callable[[nn.Module, bool, int], bool] | None,
     budget_plan: BudgetPlan | None,
     checkpoint_kwargs: dict[str, Any],
+    compile: bool | Mapping[str, Any] = False,
 ) -> list[nn.Module]:
-    """Wrap the selected blocks, block ``i`` with region ``i`` of ``budget_plan``; return the
-    wrappers in the order they were made, block ``i``'s at ``i``."""
+    """Wrap the selected blocks, block ``i`` with region ``i`` of ``budget_plan``, compiled
+    where ``compile`` says; return the wrappers in the order they were made, block ``i``'s at
+    ``i``."""
     wrappers: list[nn.Module] = []
 
     def wrap(module: nn.Module) -> nn.Module:
         region = None if budget_plan is None else len(wrappers)
         wrappers.append(
-            checkpoint_wrapper(module, budget_plan=budget_plan, region=region, **checkpoint_kwargs)
+            checkpoint_wrapper(
+                module,
+                budget_plan=budget_plan,
+                region=region,
+                compile=compile,
+                **checkpoint_kwargs,
+            )
         )
         return wrappers[-1]
 

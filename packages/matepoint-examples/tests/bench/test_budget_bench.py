@@ -270,3 +270,38 @@ def test_the_engine_variants_run_the_plans_policy_on_both_engines() -> None:
         assert all(map(torch.equal, gradients[name], gradients["plan"])), name
     everything_recomputed = dataclasses.replace(plan, decisions=(), kept_in_last=())
     assert budget.engine_variants("budget@mid", everything_recomputed) == {}
+
+
+def test_the_plan_compiled_block_by_block_gives_each_block_its_region(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Block i of every step runs region i's compiled function; its settings drop the
+    whole-model compiled path the plan was searched under, and a failed compile is reported."""
+    from types import SimpleNamespace
+
+    from matepoint_examples.bench import _budget_strategies as strategies_module
+
+    made: list[int] = []
+
+    class Recorded:
+        def __init__(self, plan: Any, region: int) -> None:
+            made.append(region)
+            self.region = region
+
+        def __call__(self, block: Any, x: Any) -> tuple[int, Any]:
+            return self.region, block
+
+    monkeypatch.setattr(strategies_module, "CompiledBlockCheckpoint", Recorded)
+    settings = matepoint.OffloadSettings(compiled_offload=True)
+    plan = SimpleNamespace(regions=3, settings_changes=lambda: dataclasses.asdict(settings))
+    runner = SimpleNamespace(settings={}, may_fail=set())
+    strategies: dict[str, Any] = {}
+    label = strategies_module.add_compiled_blocks(runner, strategies, "budget@mid", plan)  # type: ignore[arg-type]
+    assert label == "compiled-blocks-plan@mid"
+    assert made == [0, 1, 2]
+    function = strategies[label]
+    assert [function(f"block {i % 3}", None) for i in range(6)] == [
+        (i % 3, f"block {i % 3}") for i in range(6)
+    ]
+    assert runner.settings[label]["compiled_offload"] is False
+    assert label in runner.may_fail

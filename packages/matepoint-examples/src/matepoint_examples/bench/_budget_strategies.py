@@ -4,12 +4,14 @@ policy under other engines, and the compiled references."""
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
+from matepoint._compiled.blocks import CompiledBlockCheckpoint
 from matepoint._planner.op_kinds import op_kind
 from matepoint_examples.bench._budget_runner import Runner, no_checkpoint, plan_checkpoint_fn
 from matepoint_examples.bench._budget_workloads import BudgetWorkload, CheckpointFn
@@ -17,6 +19,7 @@ from matepoint_examples.bench._budget_workloads import BudgetWorkload, Checkpoin
 __all__ = [
     "EAGER_STRATEGIES",
     "add_compiled",
+    "add_compiled_blocks",
     "checkpoint_fns",
     "engine_variants",
     "selective_policy",
@@ -91,6 +94,31 @@ def add_compiled(
     runner.add_compiled(label)
     strategies[label] = plan_checkpoint_fn(budget_plan)
     runner.settings[label] = {**budget_plan.settings_changes(), "compiled_offload": True}
+
+
+def add_compiled_blocks(
+    runner: Runner,
+    strategies: dict[str, CheckpointFn | None],
+    name: str,
+    blocks_plan: matepoint.BudgetPlan,
+) -> str:
+    """The plan compiled block by block, torchtitan's pattern (Note [A block compiled with its
+    plan]): each block compiled with its checkpoint and its region's policy, its inputs
+    offloaded by matepoint. ``blocks_plan`` is planned with ``compiled_offload`` in force, so
+    its policy offloads nothing. Returns the strategy's name."""
+    label = f"compiled-blocks-plan@{name.removeprefix('budget@')}"
+    functions = [
+        CompiledBlockCheckpoint(blocks_plan, region) for region in range(blocks_plan.regions)
+    ]
+    calls = itertools.count()
+
+    def by_region(block: Any, *args: Any, **kwargs: Any) -> Any:
+        return functions[next(calls) % len(functions)](block, *args, **kwargs)
+
+    strategies[label] = by_region
+    runner.settings[label] = {**blocks_plan.settings_changes(), "compiled_offload": False}
+    runner.may_fail.add(label)
+    return label
 
 
 def engine_variants(name: str, plan: matepoint.BudgetPlan) -> dict[str, CheckpointFn]:

@@ -18,11 +18,14 @@ and for the budget plans the predicted peak; a plan whose host time is close to 
 called host-bound in its verdict. A strategy that runs out of memory is reported without a ratio.
 ``--compiled`` adds torch's compiled ``activation_memory_budget`` at each budget, for reference,
 and each budget plan run under matepoint's compiled path (``compiled_offload``, the whole model
-compiled). ``--twin sac-every-matmul`` runs that peer a second time each round, as a control: where
-it is a plan's fastest peer, the verdict gives the twin's ratio to it beside the plan's (on a
-host-bound step the same strategy's two medians can differ by a few percent). ``--engines`` runs
-each budget plan's policy also under torch's checkpoint and under matepoint's with
-``offload=False`` (``engine_variants``). ``--plot frontier.png report.json ...`` draws step ratio
+compiled), and, but for a transformers model, the budget's plan compiled block by block
+(``compiled-blocks-plan@X``: planned with ``compiled_offload`` in force, each block compiled
+with its checkpoint and region's policy, its inputs offloaded by matepoint). ``--twin
+sac-every-matmul`` runs that peer a second time each round, as a control: where it is a plan's
+fastest peer, the verdict gives the twin's ratio to it beside the plan's (on a host-bound step
+the same strategy's two medians can differ by a few percent). ``--engines`` runs each budget
+plan's policy also under torch's checkpoint and under matepoint's with ``offload=False``
+(``engine_variants``). ``--plot frontier.png report.json ...`` draws step ratio
 against peak memory from saved reports, without a GPU.
 
 Note [Calibrating the planned peak]
@@ -74,6 +77,7 @@ from matepoint_examples.bench._budget_runner import (
 from matepoint_examples.bench._budget_strategies import (
     EAGER_STRATEGIES,
     add_compiled,
+    add_compiled_blocks,
     checkpoint_fns,
     engine_variants,
     selective_policy,
@@ -264,6 +268,15 @@ def run(
         runner.settings[one_call_name] = one_call.settings_changes()
         if compiled:
             add_compiled(runner, strategies, plans, name, budget_plan, measured_peaks)
+            if not workload.hf:  # transformers' layers hand the checkpoint no block module
+                with matepoint.options(compiled_offload=True):
+                    blocks_plan = memory_plan.fastest_under(total - states, device=device_model)
+                label = add_compiled_blocks(runner, strategies, name, blocks_plan)
+                plans[label] = {
+                    "budget_bytes": total,
+                    "fits": blocks_plan.fits,
+                    **_plan_fields(blocks_plan, predicted),
+                }
     measured = alternate(runner, strategies, rounds, warmup)
     planned_peaks = {
         name: predicted(memory_plan[name].peak_bytes) for name in ("torch", "none", "matepoint")

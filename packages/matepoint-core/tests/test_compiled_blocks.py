@@ -1,0 +1,176 @@
+"""Blocks compiled each on its own with their plan (Note [A block compiled with its plan]).
+
+torchtitan's pattern: every block compiled with its checkpoint inside. The tests run the CPU
+test transport and Dynamo's ``aot_eager`` backend (the traced graph run op by op, no C++
+compiler needed): the compiled blocks give torch's gradients under the same policy bitwise, the
+block inputs are offloaded by matepoint's engine and counted, what the policy keeps stays, and a
+plan the compiled graph cannot honour, a graph break or a non-module block is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from test_budget_one_call import BLOCKS, FREE_POLICY, SHAPE, Block, _stack
+from torch import nn
+
+import matepoint
+import matepoint.integrations as mi
+from matepoint._compiled.blocks import CompiledBlockCheckpoint
+from matepoint._planner.policy import AVAILABLE, OFFLOAD_AVAILABLE
+from matepoint.testing import CPUTestTransport
+
+needs_plans = pytest.mark.skipif(not AVAILABLE, reason="budget plans need torch 2.5")
+AOT_EAGER = {"backend": "aot_eager"}
+INPUT_BYTES = SHAPE[0] * SHAPE[1] * 4
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _function(wrapper: nn.Module) -> Any:
+    """The checkpoint function a wrapper runs (torch's wrapper may hold it in a partial)."""
+    function = wrapper.checkpoint_fn
+    return function.func if isinstance(function, functools.partial) else function
+
+
+def _steps_match_torch(model: nn.Module, plan: matepoint.BudgetPlan | None, steps: int = 2) -> None:
+    """Steps of the wrapped ``model`` against its blocks' twins through torch's eager
+    checkpoint under the plan's policy per region: gradients bitwise equal."""
+    blocks = [wrapper._checkpoint_wrapped_module for wrapper in model]
+    reference = copy.deepcopy(blocks)
+    for step in range(steps):
+        for module in (model, *reference):
+            module.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        x = torch.randn(*SHAPE, requires_grad=True)
+        model(x).sum().backward()
+        y = x_reference = x.detach().clone().requires_grad_()
+        for index, block in enumerate(reference):
+            context = {} if plan is None else {"context_fn": plan.context_fn(index)}
+            y = torch_checkpoint.checkpoint(block, y, use_reentrant=False, **context)
+        y.sum().backward()
+        assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
+        mine = [p for block in blocks for p in block.parameters()]
+        theirs = [p for block in reference for p in block.parameters()]
+        for got, want in zip(mine, theirs, strict=True):
+            assert got.grad is not None
+            assert torch.equal(got.grad, want.grad)
+
+
+def test_compiled_blocks_offload_their_inputs_and_give_torchs_gradients(
+    cpu_transport: CPUTestTransport,
+) -> None:
+    model = _stack()
+    mi.apply_matepoint_checkpointing(model, lambda m: isinstance(m, Block), compile=AOT_EAGER)
+    assert all(isinstance(_function(wrapper), CompiledBlockCheckpoint) for wrapper in model)
+    matepoint.reset_stats()
+    _steps_match_torch(model, None)
+    stats = matepoint.stats()
+    # Each block's input, each step, through the engine; nothing else the graphs save.
+    assert stats.offloads == 2 * BLOCKS
+    assert stats.bytes_offloaded == 2 * BLOCKS * INPUT_BYTES
+    assert stats.skipped_parameters == 0  # the weights the graphs save are left uncounted
+
+
+@needs_plans
+def test_a_plan_is_compiled_into_each_block(cpu_transport: CPUTestTransport) -> None:
+    model = _stack()
+    plan = mi.apply_matepoint_checkpointing(
+        model,
+        lambda m: isinstance(m, Block),
+        budget="1GiB",
+        example_batch=torch.randn(*SHAPE),
+        optimizer=None,
+        device=FREE_POLICY,
+        guard=False,
+        compile=AOT_EAGER,
+    )
+    assert plan is not None
+    assert plan.settings.compiled_offload  # planned for compiled blocks (rule 3) ...
+    assert not matepoint.get_options().compiled_offload  # ... but not set for the process
+    assert "offload" not in dict(plan.decisions).values()
+    _steps_match_torch(model, plan)
+
+
+@needs_plans
+def test_the_wrapper_compiled_again_compiles_the_block_once(
+    cpu_transport: CPUTestTransport,
+) -> None:
+    """torchtitan compiles each wrapped block: the wrapper is traced into that graph (torch's
+    checkpoint with the plan's policy, fullgraph=True), and its own compile is not used."""
+    blocks = [Block() for _ in range(2)]
+    wrapped = [mi.checkpoint_wrapper(block, compile=AOT_EAGER) for block in blocks]
+    compiled = [torch.compile(wrapper, fullgraph=True, backend="aot_eager") for wrapper in wrapped]
+    x = torch.randn(*SHAPE, requires_grad=True)
+    y = x
+    for module in compiled:
+        y = module(y)
+    y.sum().backward()
+    assert x.grad is not None
+    assert all(len(_function(wrapper)._compiled) == 0 for wrapper in wrapped)
+
+
+def test_a_graph_break_in_a_block_is_an_error() -> None:
+    class Breaking(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(SHAPE[1], SHAPE[1])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.linear(x).sum().item() > 0:  # data-dependent Python control flow
+                return self.linear(x)
+            return -self.linear(x)
+
+    wrapper = mi.checkpoint_wrapper(Breaking(), compile=AOT_EAGER)
+    with pytest.raises(Exception, match=r"(?i)graph break|unsupported|data-dependent|item"):
+        wrapper(torch.randn(*SHAPE, requires_grad=True))
+
+
+@needs_plans
+@pytest.mark.skipif(not OFFLOAD_AVAILABLE, reason="offload values need torch 2.11")
+def test_a_plan_that_offloads_through_its_policy_is_refused() -> None:
+    model = _stack()
+    plan = mi.apply_matepoint_checkpointing(
+        copy.deepcopy(model),
+        lambda m: isinstance(m, Block),
+        budget="1GiB",
+        example_batch=torch.randn(*SHAPE),
+        optimizer=None,
+        device=FREE_POLICY,
+        guard=False,
+    )
+    assert plan is not None
+    offloading = dataclasses.replace(plan, decisions=(("matmul 64x256", "offload"),))
+    with pytest.raises(ValueError, match="keeps on the device what the plan offloads"):
+        mi.apply_matepoint_checkpointing(
+            model, lambda m: isinstance(m, Block), budget_plan=offloading, compile=True
+        )
+
+
+def test_a_block_that_is_no_module_or_a_reentrant_checkpoint_is_refused() -> None:
+    function = CompiledBlockCheckpoint(None, 0, compile_options=AOT_EAGER)
+    with pytest.raises(TypeError, match="not the block module"):
+        function(torch.sin, torch.ones(2, requires_grad=True))
+    with pytest.raises(ValueError, match="non-reentrant"):
+        CompiledBlockCheckpoint(None, 0, checkpoint_options={"use_reentrant": True})
+
+
+def test_a_copy_compiles_afresh() -> None:
+    wrapper = mi.checkpoint_wrapper(Block(), compile=AOT_EAGER)
+    wrapper(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+    twin = copy.deepcopy(wrapper)
+    assert len(_function(wrapper)._compiled) == 1
+    assert isinstance(_function(twin), CompiledBlockCheckpoint)
+    assert len(_function(twin)._compiled) == 0
+    twin(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
