@@ -174,3 +174,46 @@ def test_a_copy_compiles_afresh() -> None:
     assert isinstance(_function(twin), CompiledBlockCheckpoint)
     assert len(_function(twin)._compiled) == 0
     twin(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+
+
+class Scaled(nn.Module):
+    """Blocks a model calls through partials: the block with a tensor keyword, and the
+    model's method with the block's position (as the examples' GPT does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def mixed(self, index: int, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return self.blocks[index](x) * scale
+
+
+# Dynamo reads .grad of the model's tensors while it traces a method of the model (not its
+# forward), which torch warns about for the non-leaf block outputs.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_partials_of_a_block_or_of_a_models_method_compile_once_per_block(
+    cpu_transport: CPUTestTransport,
+) -> None:
+    model = Scaled()
+    reference = copy.deepcopy(model)
+    function = CompiledBlockCheckpoint(None, 0, compile_options=AOT_EAGER)
+    matepoint.reset_stats()
+    for _ in range(2):  # a new partial each call, as a model's forward makes them
+        for each, call in ((model, function), (reference, None)):
+            each.zero_grad(set_to_none=True)
+            torch.manual_seed(0)
+            x = torch.randn(*SHAPE, requires_grad=True)
+            scale = torch.full((SHAPE[1],), 0.5)
+            for index in range(2):
+                step = functools.partial(each.mixed, index, scale=scale)
+                if call is None:
+                    x = torch_checkpoint.checkpoint(step, x, use_reentrant=False)
+                else:
+                    x = call(step, x)
+            x.sum().backward()
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(got.grad, want.grad)  # type: ignore[arg-type]
+    assert len(function._compiled) == 2  # one per position, reused by the second step
+    assert matepoint.stats().offloads >= 4  # each block's input, each step
+    with pytest.raises(TypeError, match="without tensor positional arguments"):
+        function(functools.partial(model.mixed, torch.ones(1)), torch.ones(2))

@@ -28,14 +28,17 @@ Note [A block compiled with its plan]
     Rule 5. Without grad, under an outer saved-tensor hook (another checkpoint, ``save_on_cpu``),
             or with offloading off, the compiled call runs without the hook, as the eager
             path's does.
-    Rule 6. The compiled function is made once per block module, on its first call: the block
-            must be the same module each call (torch's ``CheckpointWrapper`` passes it so).
+    Rule 6. The compiled function is made once per block, on its first call: the block is a
+            module, or a ``functools.partial`` of a module or of a module's method (a model
+            that binds a block's position or its rotary tensors each call). The partial's
+            tensor keywords are passed at each call; its other arguments name the block with
+            the module, so each position is compiled once and a new partial of the same block
+            reuses it.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -118,9 +121,7 @@ class CompiledBlockCheckpoint:
         )
         self.offload, self.pipeline = offload, pipeline
         self.compile_options = {**(compile_options or {}), "fullgraph": True}
-        self._compiled: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CompiledBlockCheckpoint:
         """A copy compiles afresh: the compiled functions are the blocks' they were made for
@@ -135,7 +136,7 @@ class CompiledBlockCheckpoint:
             checkpoint_options=checkpoint_options,
         )
 
-    def function(self, block: nn.Module) -> Callable[..., Any]:
+    def function(self, block: Callable[..., Any]) -> Callable[..., Any]:
         """What is compiled: torch's checkpoint of ``block`` with the region's policy, or the
         block itself where the plan leaves it unchecked (rule 1)."""
         if not self.checkpointed:
@@ -152,24 +153,20 @@ class CompiledBlockCheckpoint:
             **context,
         )
 
-    def compiled(self, block: nn.Module) -> Callable[..., Any]:
+    def compiled(self, key: tuple[Any, ...], block: Callable[..., Any]) -> Callable[..., Any]:
         """The block's compiled function, made on its first call (rules 1 and 6)."""
-        function = self._compiled.get(block)
+        function = self._compiled.get(key)
         if function is None:
             function = torch.compile(self.function(block), **self.compile_options)
-            self._compiled[block] = function
+            self._compiled[key] = function
         return function
 
     def __call__(self, block: Any, /, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(block, nn.Module):
-            raise TypeError(
-                "a block compiled with its plan is compiled once per module: the checkpoint "
-                f"function got a {type(block).__name__}, not the block module (wrap the block "
-                "with matepoint.integrations.checkpoint_wrapper)"
-            )
+        key, block, tensor_keywords = _named_block(block)
+        kwargs = {**tensor_keywords, **kwargs}
         if compat.compile_tracing():  # rule 4
             return self.function(block)(*args, **kwargs)
-        compiled = self.compiled(block)
+        compiled = self.compiled(key, block)
         options = resolve(self.offload, self.pipeline) if self.checkpointed else None
         if not (
             options is not None
@@ -190,6 +187,29 @@ class CompiledBlockCheckpoint:
         )
         with hooks:
             return compiled(*args, **kwargs)
+
+
+def _named_block(block: Any) -> tuple[tuple[Any, ...], Callable[..., Any], dict[str, Any]]:
+    """The block's name in the cache, the function to compile, and the tensor keywords to pass
+    at each call (See Note [A block compiled with its plan], rule 6)."""
+    if isinstance(block, nn.Module):
+        return (block,), block, {}
+    if isinstance(block, functools.partial):
+        target = block.func
+        owner = getattr(target, "__self__", None)
+        if isinstance(target, nn.Module) or isinstance(owner, nn.Module):
+            tensors = {k: v for k, v in block.keywords.items() if isinstance(v, torch.Tensor)}
+            others = {k: v for k, v in block.keywords.items() if k not in tensors}
+            if not any(isinstance(value, torch.Tensor) for value in block.args):
+                name = getattr(target, "__func__", target)
+                key = (owner or target, name, block.args, tuple(sorted(others.items())))
+                return key, functools.partial(target, *block.args, **others), tensors
+    raise TypeError(
+        "a block compiled with its plan is compiled once per block: the checkpoint function "
+        f"got a {type(block).__name__}, not the block module or a functools.partial of it (or "
+        "of its method) without tensor positional arguments; wrap the block with "
+        "matepoint.integrations.checkpoint_wrapper"
+    )
 
 
 def _pack_inputs(

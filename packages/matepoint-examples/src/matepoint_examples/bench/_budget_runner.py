@@ -211,16 +211,17 @@ def plan_checkpoint_fn(plan: matepoint.BudgetPlan) -> CheckpointFn:
         return functools.partial(
             matepoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn()
         )
+    # Made before any step, so that a compiled model sees each region's own functions.
+    functions = [
+        functools.partial(matepoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn(i))
+        if plan.checkpoints_region(i)
+        else no_checkpoint
+        for i in range(plan.regions)
+    ]
     calls = itertools.count()
 
     def by_region(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        region = next(calls) % plan.regions
-        if not plan.checkpoints_region(region):
-            return no_checkpoint(function, *args, **kwargs)
-        context_fn = plan.context_fn(region)
-        return matepoint.checkpoint(
-            function, *args, use_reentrant=False, context_fn=context_fn, **kwargs
-        )
+        return functions[next(calls) % len(functions)](function, *args, **kwargs)
 
     return by_region
 

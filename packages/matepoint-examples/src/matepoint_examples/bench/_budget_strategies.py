@@ -68,9 +68,10 @@ def add_compiled(
     name: str,
     budget_plan: matepoint.BudgetPlan,
     measured_peaks: Mapping[str, int],
-) -> None:
+) -> str:
     """torch's compiled ``activation_memory_budget`` at the plan's budget, and the plan under
-    matepoint's compiled path (``compiled_offload``, the whole model compiled)."""
+    matepoint's compiled path (``compiled_offload``, the whole model compiled). Returns the
+    latter's name."""
     budget = plans[name]["budget_bytes"]
     suffix = name.removeprefix("budget@")
     if min(measured_peaks.values()) > 0:
@@ -94,6 +95,7 @@ def add_compiled(
     runner.add_compiled(label)
     strategies[label] = plan_checkpoint_fn(budget_plan)
     runner.settings[label] = {**budget_plan.settings_changes(), "compiled_offload": True}
+    return label
 
 
 def add_compiled_blocks(

@@ -17,9 +17,9 @@ a step costs the host, before the synchronize that ends it) with their ratio, th
 and for the budget plans the predicted peak; a plan whose host time is close to its step time is
 called host-bound in its verdict. A strategy that runs out of memory is reported without a ratio.
 ``--compiled`` adds torch's compiled ``activation_memory_budget`` at each budget, for reference,
-and each budget plan run under matepoint's compiled path (``compiled_offload``, the whole model
-compiled), and, but for a transformers model, the budget's plan compiled block by block
-(``compiled-blocks-plan@X``: planned with ``compiled_offload`` in force, each block compiled
+and the budget's plan made with ``compiled_offload`` in force (its policy offloads nothing) run
+under matepoint's compiled path (``compiled-plan@X``, the whole model compiled) and, but for a
+transformers model, compiled block by block (``compiled-blocks-plan@X``: each block compiled
 with its checkpoint and region's policy, its inputs offloaded by matepoint). ``--twin
 sac-every-matmul`` runs that peer a second time each round, as a control: where it is a plan's
 fastest peer, the verdict gives the twin's ratio to it beside the plan's (on a host-bound step
@@ -267,15 +267,18 @@ def run(
         strategies[one_call_name] = plan_checkpoint_fn(one_call)
         runner.settings[one_call_name] = one_call.settings_changes()
         if compiled:
-            add_compiled(runner, strategies, plans, name, budget_plan, measured_peaks)
+            # Planned for the compiled paths: its policy offloads nothing (Note [The budget
+            # search], rule 11), which both compiled strategies run.
+            with matepoint.options(compiled_offload=True):
+                compiled_plan = memory_plan.fastest_under(total - states, device=device_model)
+            labels = [add_compiled(runner, strategies, plans, name, compiled_plan, measured_peaks)]
             if not workload.hf:  # transformers' layers hand the checkpoint no block module
-                with matepoint.options(compiled_offload=True):
-                    blocks_plan = memory_plan.fastest_under(total - states, device=device_model)
-                label = add_compiled_blocks(runner, strategies, name, blocks_plan)
+                labels.append(add_compiled_blocks(runner, strategies, name, compiled_plan))
+            for label in labels:
                 plans[label] = {
                     "budget_bytes": total,
-                    "fits": blocks_plan.fits,
-                    **_plan_fields(blocks_plan, predicted),
+                    "fits": compiled_plan.fits,
+                    **_plan_fields(compiled_plan, predicted),
                 }
     measured = alternate(runner, strategies, rounds, warmup)
     planned_peaks = {
