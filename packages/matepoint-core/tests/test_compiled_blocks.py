@@ -180,9 +180,9 @@ class Scaled(nn.Module):
     """Blocks a model calls through partials: the block with a tensor keyword, and the
     model's method with the block's position (as the examples' GPT does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocks: int = 2) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
 
     def mixed(self, index: int, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
         return self.blocks[index](x) * scale
@@ -217,3 +217,18 @@ def test_partials_of_a_block_or_of_a_models_method_compile_once_per_block(
     assert matepoint.stats().offloads >= 4  # each block's input, each step
     with pytest.raises(TypeError, match="without tensor positional arguments"):
         function(functools.partial(model.mixed, torch.ones(1)), torch.ones(2))
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_more_positions_than_dynamos_default_limit_compile_with_fullgraph() -> None:
+    """Twelve positions of one method share its code: one compiled entry each, past Dynamo's
+    default limit of eight, which a fullgraph compile would fail on (rule 6)."""
+    model = Scaled(blocks=12)
+    function = CompiledBlockCheckpoint(None, 0, compile_options=AOT_EAGER)
+    x = torch.randn(*SHAPE, requires_grad=True)
+    y = x
+    for index in range(12):
+        y = function(functools.partial(model.mixed, index, scale=torch.ones(SHAPE[1])), y)
+    y.sum().backward()
+    assert len(function._compiled) == 12
+    assert x.grad is not None

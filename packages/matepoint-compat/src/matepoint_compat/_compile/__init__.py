@@ -32,3 +32,19 @@ def compile_tracing() -> bool:
     path off.
     """
     return COMPILED_OFFLOAD and _torch_compiler.is_compiling()
+
+
+def allow_recompiles(count: int) -> None:
+    """Let Dynamo keep at least ``count`` compiled entries of one code object.
+
+    Blocks compiled one by one that run the same code (a model's method with each block's
+    position bound) take one entry each; past Dynamo's limit a ``fullgraph=True`` compile fails.
+    The limit is ``torch._dynamo.config.recompile_limit`` from torch 2.7 and
+    ``cache_size_limit`` before (the old name can go when 2.7 is the oldest supported torch);
+    it is only ever raised.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    if getattr(dynamo_config, name) < count:
+        setattr(dynamo_config, name, count)

@@ -33,12 +33,15 @@ Note [A block compiled with its plan]
             that binds a block's position or its rotary tensors each call). The partial's
             tensor keywords are passed at each call; its other arguments name the block with
             the module, so each position is compiled once and a new partial of the same block
-            reuses it.
+            reuses it. Dynamo keeps the compiled entries of one code object together, one per
+            block where the blocks share their code, so matepoint raises its limit to the
+            blocks it has compiled, beyond Dynamo's default (``compat.allow_recompiles``).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -53,6 +56,12 @@ from matepoint._engine.saving import KeptTensor, pack, unpack
 from matepoint._options import OffloadOptions, ResolvedOptions, resolve
 
 __all__ = ["CompiledBlockCheckpoint"]
+
+# The blocks compiled in this process, and the entries Dynamo keeps of one code object by
+# default (See Note [A block compiled with its plan], rule 6).
+_BLOCKS_COMPILED = 0
+_DYNAMO_DEFAULT_LIMIT = 8
+_LOCK = threading.Lock()
 
 
 class RegionPlan(Protocol):
@@ -159,6 +168,10 @@ class CompiledBlockCheckpoint:
         if function is None:
             function = torch.compile(self.function(block), **self.compile_options)
             self._compiled[key] = function
+            with _LOCK:
+                global _BLOCKS_COMPILED
+                _BLOCKS_COMPILED += 1
+                compat.allow_recompiles(_DYNAMO_DEFAULT_LIMIT + _BLOCKS_COMPILED)
         return function
 
     def __call__(self, block: Any, /, *args: Any, **kwargs: Any) -> Any:

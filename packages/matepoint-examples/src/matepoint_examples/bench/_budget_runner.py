@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor
 
 import matepoint
@@ -208,16 +209,21 @@ def plan_checkpoint_fn(plan: matepoint.BudgetPlan) -> CheckpointFn:
     if not plan.checkpoint:
         return no_checkpoint
     if not plan.unchecked_last:
-        return functools.partial(
-            matepoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn()
-        )
-    # Made before any step, so that a compiled model sees each region's own functions.
-    functions = [
-        functools.partial(matepoint.checkpoint, use_reentrant=False, context_fn=plan.context_fn(i))
-        if plan.checkpoints_region(i)
-        else no_checkpoint
-        for i in range(plan.regions)
-    ]
+        context_fn = plan.context_fn()
+        if context_fn is torch_checkpoint.noop_context_fn:  # Dynamo refuses torch's noop
+            return functools.partial(matepoint.checkpoint, use_reentrant=False)
+        return functools.partial(matepoint.checkpoint, use_reentrant=False, context_fn=context_fn)
+    # Made before any step, so that a compiled model sees each region's own functions; a
+    # region without a policy gets no context_fn, which Dynamo would refuse torch's noop as.
+    functions: list[CheckpointFn] = [no_checkpoint] * plan.regions
+    for region in range(plan.regions):
+        if plan.checkpoints_region(region):
+            context_fn = plan.context_fn(region)
+            noop = context_fn is torch_checkpoint.noop_context_fn
+            context: dict[str, Any] = {} if noop else {"context_fn": context_fn}
+            functions[region] = functools.partial(
+                matepoint.checkpoint, use_reentrant=False, **context
+            )
     calls = itertools.count()
 
     def by_region(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
