@@ -264,3 +264,23 @@ def test_a_policys_host_cost_is_charged_on_top_and_taken_where_keeping_saves_mor
     assert device_seconds < budget.step_seconds < budget.every_block_seconds
     dear = dataclasses.replace(cheap, policy_seconds_per_op=1.0)
     assert memory_plan.fastest_under(budget_bytes, device=dear).decisions == ()
+
+
+def test_a_compiled_plan_pays_no_policy_host_cost() -> None:
+    """Note [The budget search], rule 11: a compiled graph resolves the policy when it is
+    traced, so a policy dear in eager is still taken where keeping pays, and offloads nothing."""
+    memory_plan = _plan()
+    assert memory_plan.options is not None
+    compiled = dataclasses.replace(
+        memory_plan, options=dataclasses.replace(memory_plan.options, compiled_offload=True)
+    )
+    dear = dataclasses.replace(FREE_POLICY, policy_seconds_per_op=1.0)
+    lowest, highest = memory_plan["matepoint"].peak_bytes, memory_plan["none"].peak_bytes
+    budget_bytes = lowest + (highest - lowest) // 50
+    eager = memory_plan.fastest_under(budget_bytes, device=dear)
+    plan = compiled.fastest_under(budget_bytes, device=dear)
+    assert eager.decisions == ()  # in eager the policy costs a second per op
+    assert dict(plan.decisions)
+    assert "offload" not in dict(plan.decisions).values()
+    assert plan.fits
+    assert plan.step_seconds < eager.step_seconds < 1.0

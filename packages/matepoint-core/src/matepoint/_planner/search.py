@@ -76,7 +76,10 @@ Note [The budget search]
         output on the device (docs/selective.md), so an offload planned there held more than
         planned (llama8 at torch checkpoint's peak 0.10 GiB over it on an H200). Such a plan
         keeps or recomputes each kind, as before torch 2.11; matepoint still moves the
-        checkpoint inputs.
+        checkpoint inputs. Its policy is resolved when torch traces the graph, whole-model or
+        block by block (Note [A block compiled with its plan] in
+        ``matepoint._compiled.blocks``): no selective mode runs in the step, so no policy host
+        cost is charged (rule 2).
     Rule 8. A step fits where its peak fits the device budget and its host side fits too: its
         pinned pool, times the node's ranks, within the host budget, and no pool that would
         raise (``on_pool_exhausted="raise"`` past ``pool_cap_bytes``). The smallest budget
@@ -402,8 +405,9 @@ def _profiled(
         device=device,
         budget=budget,
         regions=max(profiler.regions, 1),
-        # Every op of the regions meets the policy twice: in forward and in the recomputation.
-        policy_ops=2 * profiler.ops,
+        # Every op of the regions meets the policy twice, in forward and in the recomputation;
+        # none does in a compiled graph (rule 11).
+        policy_ops=0 if settings.compiled_offload else 2 * profiler.ops,
         host_ops=3 * profiler.ops,
         kinds=tuple(profiler.kinds()),
         every_block=_timed(profiled, settings, device, budget, 3 * profiler.ops, saves=saves),
