@@ -48,7 +48,9 @@ The passes, one module each: ``regions`` (a region's annotation and ``context_fn
 graph, the values the regions read from outside and their marks), ``scope`` (Note [Compile
 settings are scoped], and what happens to a marked graph after torch's offloading put its copies
 in it), ``inductor_order``, ``forward_window`` and ``traffic`` (the Notes of their names). Every
-private torch name they use is read from ``matepoint_compat``, behind its release gate.
+private torch name they use is read from ``matepoint_compat``, behind its release gate. Beside
+the whole-model path, ``blocks`` compiles one block at a time with its plan, its inputs
+offloaded by the eager engine (Note [A block compiled with its plan]).
 """
 
 from __future__ import annotations

@@ -6,7 +6,11 @@
 - ``op_kinds``: what each checkpointed region computes, by kind of op.
 - ``time_model``: the device's rates, the step-time estimate and calibration.
 - ``optimizer_states``: the device bytes an optimizer's states take.
-- ``policy``: a budget plan's selective-checkpoint policy, per region.
+- ``policy``: a budget plan's selective-checkpoint policy, per region; ``scoped_modes``:
+  torch's selective-checkpoint modes entered only around the module calls that run what a
+  policy keeps or offloads.
+- ``live_model`` and ``sharded_twin``: the one call on the user's model (its meta twin, an
+  FSDP2 model's per rank).
 - ``decision``, ``search`` and ``budget_plan``: the budget search's rule over plain numbers,
   the loop that plans the steps it compares, and its answer.
 - ``recommend`` and ``memory_plan``: the options search and ``matepoint.plan``.
