@@ -106,24 +106,32 @@ def _assert_unchanged(model: nn.Module, before: list[Any]) -> None:
 
 
 def _matches_torch(
-    model: nn.Module, blocks: list[nn.Module], plan: matepoint.BudgetPlan, *, steps: int = 2
+    model: nn.Module,
+    blocks: list[nn.Module],
+    plan: matepoint.BudgetPlan | None,
+    *,
+    steps: int = 2,
 ) -> None:
-    """Steps of ``model`` (its plan applied) against ``blocks``' twins through torch's
-    checkpoint with the plan's policy per region: gradients bitwise equal."""
+    """Steps of ``model`` (its plan applied) against ``blocks``' twins, block ``i`` through
+    torch's checkpoint with region ``i``'s policy, or called as it is where the plan leaves
+    region ``i`` unchecked (plain checkpoints without a plan): gradients bitwise equal."""
     reference = copy.deepcopy(blocks)
+    settings = {} if plan is None else plan.settings_changes()
     for step in range(steps):
         for module in (model, *reference):
             module.zero_grad(set_to_none=True)
         torch.manual_seed(step)
         x = torch.randn(*SHAPE, requires_grad=True)
-        with matepoint.options(**plan.settings_changes()):
+        with matepoint.options(**settings):
             model(x).sum().backward()
         x_reference = x.detach().clone().requires_grad_()
         y = x_reference
         for index, block in enumerate(reference):
-            y = torch_checkpoint.checkpoint(
-                block, y, use_reentrant=False, context_fn=plan.context_fn(index)
-            )
+            if plan is not None and not plan.checkpoints_region(index):
+                y = block(y)
+                continue
+            context = {} if plan is None else {"context_fn": plan.context_fn(index)}
+            y = torch_checkpoint.checkpoint(block, y, use_reentrant=False, **context)
         y.sum().backward()
         assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
         mine = [p for block in blocks for p in block.parameters()]

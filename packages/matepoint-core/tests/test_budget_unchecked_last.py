@@ -9,13 +9,12 @@ plan runs those blocks as they are, with gradients bitwise equal to torch's.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 from test_budget_one_call import SHAPE, Block, _stack
+from test_budget_one_call import _matches_torch as matches_torch
 from torch import nn
 
 import matepoint
@@ -163,31 +162,10 @@ class _Calls:
 
 
 def _matches_torch(model: nn.Module, plan: matepoint.BudgetPlan, steps: int = 2) -> None:
-    """Steps of ``model`` against its blocks' twins, block ``i`` through torch's checkpoint
-    where the plan checkpoints it and called as it is elsewhere: gradients bitwise equal."""
+    """Steps of ``model`` against its blocks' twins under torch's checkpoint, the plan's policy
+    per region, its unchecked regions called as they are: gradients bitwise equal."""
     blocks = [wrapper._checkpoint_wrapped_module for wrapper in model]
-    reference = copy.deepcopy(blocks)
-    for step in range(steps):
-        for module in (model, *reference):
-            module.zero_grad(set_to_none=True)
-        torch.manual_seed(step)
-        x = torch.randn(*SHAPE, requires_grad=True)
-        with matepoint.options(**plan.settings_changes()):
-            model(x).sum().backward()
-        x_reference = x.detach().clone().requires_grad_()
-        y = x_reference
-        for index, block in enumerate(reference):
-            if plan.checkpoints_region(index):
-                y = torch_checkpoint.checkpoint(block, y, use_reentrant=False)
-            else:
-                y = block(y)
-        y.sum().backward()
-        assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
-        mine = [p for block in blocks for p in block.parameters()]
-        theirs = [p for block in reference for p in block.parameters()]
-        for got, want in zip(mine, theirs, strict=True):
-            assert got.grad is not None
-            assert torch.equal(got.grad, want.grad)
+    matches_torch(model, blocks, plan, steps=steps)
 
 
 @needs_plans

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from test_budget_one_call import BLOCKS, FREE_POLICY, SHAPE, Block, _stack
+from test_budget_one_call import _matches_torch as matches_torch
 from torch import nn
 
 import matepoint
@@ -45,27 +46,10 @@ def _function(wrapper: nn.Module) -> Any:
 
 
 def _steps_match_torch(model: nn.Module, plan: matepoint.BudgetPlan | None, steps: int = 2) -> None:
-    """Steps of the wrapped ``model`` against its blocks' twins through torch's eager
-    checkpoint under the plan's policy per region: gradients bitwise equal."""
+    """Steps of ``model`` against its blocks' twins under torch's checkpoint, the plan's policy
+    per region, its unchecked regions called as they are: gradients bitwise equal."""
     blocks = [wrapper._checkpoint_wrapped_module for wrapper in model]
-    reference = copy.deepcopy(blocks)
-    for step in range(steps):
-        for module in (model, *reference):
-            module.zero_grad(set_to_none=True)
-        torch.manual_seed(step)
-        x = torch.randn(*SHAPE, requires_grad=True)
-        model(x).sum().backward()
-        y = x_reference = x.detach().clone().requires_grad_()
-        for index, block in enumerate(reference):
-            context = {} if plan is None else {"context_fn": plan.context_fn(index)}
-            y = torch_checkpoint.checkpoint(block, y, use_reentrant=False, **context)
-        y.sum().backward()
-        assert torch.equal(x.grad, x_reference.grad)  # type: ignore[arg-type]
-        mine = [p for block in blocks for p in block.parameters()]
-        theirs = [p for block in reference for p in block.parameters()]
-        for got, want in zip(mine, theirs, strict=True):
-            assert got.grad is not None
-            assert torch.equal(got.grad, want.grad)
+    matches_torch(model, blocks, plan, steps=steps)
 
 
 def test_compiled_blocks_offload_their_inputs_and_give_torchs_gradients(
