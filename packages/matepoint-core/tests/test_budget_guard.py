@@ -224,6 +224,11 @@ def test_guard_false_attaches_none_and_a_cpu_model_reads_nothing() -> None:
         guard=False,
     )
     assert matepoint.budget_guard(model) is None
+    # Nor do its blocks name a plan (Note [The budget guard], rule 5).
+    _out_of_memory_in(model[1]._checkpoint_wrapped_module, "forward")
+    with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
+        model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+    assert not isinstance(caught.value, matepoint.BudgetOutOfMemoryError)
     _model, _blocks, guard = _guarded()
     assert guard.memory is None
     assert not guard.watching
@@ -469,26 +474,6 @@ def test_an_out_of_memory_error_outside_the_blocks_keeps_torchs_error_outside_st
         output.register_hook(run_out)
 
     blocks[1].register_forward_hook(out_of_memory_in_backward)
-    with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
-        model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
-    assert not isinstance(caught.value, matepoint.BudgetOutOfMemoryError)
-
-
-@needs_plans
-def test_without_a_guard_the_blocks_keep_torchs_error() -> None:
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = [Block() for _ in range(BLOCKS)]
-    model = nn.Sequential(*blocks)
-    mi.apply_matepoint_checkpointing(
-        model,
-        lambda m: isinstance(m, Block),
-        budget="1GiB",
-        example_batch=torch.randn(*SHAPE),
-        optimizer=None,
-        device=FREE_POLICY,
-        guard=False,
-    )
-    _out_of_memory_in(blocks[1], "forward")
     with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
         model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
     assert not isinstance(caught.value, matepoint.BudgetOutOfMemoryError)
