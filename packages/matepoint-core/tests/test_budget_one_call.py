@@ -70,6 +70,25 @@ def _stack() -> nn.Sequential:
     return nn.Sequential(*[Block() for _ in range(BLOCKS)])
 
 
+def planned_stack(
+    budget: int | str = "1GiB", device: DeviceModel = FREE_POLICY, **options: Any
+) -> tuple[nn.Sequential, matepoint.BudgetPlan]:
+    """A stack with its blocks wrapped by the one call at ``budget``, no optimizer, and the plan
+    (``options``: the integration's other keywords, ``guard=False`` among them by default)."""
+    model = _stack()
+    plan = mi.apply_matepoint_checkpointing(
+        model,
+        lambda m: isinstance(m, Block),
+        budget=budget,
+        example_batch=torch.randn(*SHAPE),
+        optimizer=None,
+        device=device,
+        **{"guard": False, **options},
+    )
+    assert plan is not None
+    return model, plan
+
+
 class NonMetaTensors(compat.TorchDispatchMode):
     """Records every tensor an op makes off the meta device, with its bytes."""
 

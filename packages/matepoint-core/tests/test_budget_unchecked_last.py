@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_budget_one_call import SHAPE, Block, _stack
+from test_budget_one_call import SHAPE, Block, _stack, planned_stack
 from test_budget_one_call import _matches_torch as matches_torch
 from torch import nn
 
@@ -51,20 +51,9 @@ def test_the_next_count_is_where_the_line_through_the_peaks_meets_the_budget() -
 # --- the search ------------------------------------------------------------------------------
 
 
-def _planned(budget: int | str, blocks: int = BLOCKS) -> tuple[nn.Module, matepoint.BudgetPlan]:
+def _planned(budget: int | str) -> tuple[nn.Module, matepoint.BudgetPlan]:
     """A stack with its blocks wrapped, and the plan at ``budget`` applied to it."""
-    model = _stack() if blocks == BLOCKS else nn.Sequential(*[Block() for _ in range(blocks)])
-    plan = mi.apply_matepoint_checkpointing(
-        model,
-        lambda module: isinstance(module, Block),
-        budget=budget,
-        example_batch=torch.randn(*SHAPE),
-        optimizer=None,
-        device=DEAR_POLICY,
-        guard=False,
-    )
-    assert plan is not None
-    return model, plan
+    return planned_stack(budget, DEAR_POLICY)
 
 
 def _peak_unchecked(last: int, blocks: int) -> int:

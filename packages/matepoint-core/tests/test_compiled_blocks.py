@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from test_budget_one_call import BLOCKS, FREE_POLICY, SHAPE, Block, _stack
+from test_budget_one_call import BLOCKS, SHAPE, Block, _stack, planned_stack
 from test_budget_one_call import _matches_torch as matches_torch
 from torch import nn
 
@@ -69,18 +69,7 @@ def test_compiled_blocks_offload_their_inputs_and_give_torchs_gradients(
 
 @needs_plans
 def test_a_plan_is_compiled_into_each_block(cpu_transport: CPUTestTransport) -> None:
-    model = _stack()
-    plan = mi.apply_matepoint_checkpointing(
-        model,
-        lambda m: isinstance(m, Block),
-        budget="1GiB",
-        example_batch=torch.randn(*SHAPE),
-        optimizer=None,
-        device=FREE_POLICY,
-        guard=False,
-        compile=AOT_EAGER,
-    )
-    assert plan is not None
+    model, plan = planned_stack(compile=AOT_EAGER)
     assert plan.settings.compiled_offload  # planned for compiled blocks (rule 3) ...
     assert not matepoint.get_options().compiled_offload  # ... but not set for the process
     assert "offload" not in dict(plan.decisions).values()
@@ -124,17 +113,7 @@ def test_a_graph_break_in_a_block_is_an_error() -> None:
 @needs_plans
 @pytest.mark.skipif(not OFFLOAD_AVAILABLE, reason="offload values need torch 2.11")
 def test_a_plan_that_offloads_through_its_policy_is_refused() -> None:
-    model = _stack()
-    plan = mi.apply_matepoint_checkpointing(
-        copy.deepcopy(model),
-        lambda m: isinstance(m, Block),
-        budget="1GiB",
-        example_batch=torch.randn(*SHAPE),
-        optimizer=None,
-        device=FREE_POLICY,
-        guard=False,
-    )
-    assert plan is not None
+    model, plan = _stack(), planned_stack()[1]
     offloading = dataclasses.replace(plan, decisions=(("matmul 64x256", "offload"),))
     with pytest.raises(ValueError, match="keeps on the device what the plan offloads"):
         mi.apply_matepoint_checkpointing(
