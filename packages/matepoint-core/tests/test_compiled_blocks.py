@@ -195,3 +195,41 @@ def test_more_positions_than_dynamos_default_limit_compile_with_fullgraph() -> N
     y.sum().backward()
     assert len(function._compiled) == 12
     assert x.grad is not None
+
+
+@needs_plans
+def test_the_guard_plans_compiled_blocks_again_and_names_the_plan(
+    cpu_transport: CPUTestTransport,
+) -> None:
+    """An overshoot plans again for compiled blocks and compiles the new plan into them; an
+    out-of-memory error in a compiled block names the plan (Note [The budget guard])."""
+    from test_budget_guard import SimulatedMemory
+
+    model, plan = planned_stack(compile=AOT_EAGER, guard=True)
+    guard = matepoint.budget_guard(model)
+    assert guard is not None
+    guard.memory = memory = SimulatedMemory(plan.peak_bytes)
+    for _ in range(2):
+        model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+    memory.peak = guard.budget_bytes + 1
+    with pytest.warns(matepoint.BudgetOvershootWarning, match="planned again"):
+        model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+    assert guard.replans == 1
+    replanned = guard.plan
+    memory.peak = replanned.peak_bytes  # the next steps within the new prediction
+    assert replanned.settings.compiled_offload
+    assert "offload" not in dict(replanned.decisions).values()
+    assert all(getattr(w.checkpoint_fn, "func", None) is not None for w in model)
+    inner = [w.checkpoint_fn.args[1] for w in model]  # naming_the_plan(guard, function)
+    assert all(isinstance(function, CompiledBlockCheckpoint) for function in inner)
+    matches_torch(model, [w._checkpoint_wrapped_module for w in model], replanned, steps=1)
+
+    def run_out(*_args: Any, **_kwargs: Any) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    # Dynamo does not see a hook added to a compiled block: the compiled call itself runs out.
+    compiled = model[2].checkpoint_fn.args[1]._compiled
+    assert compiled
+    compiled.update(dict.fromkeys(compiled, run_out))
+    with pytest.raises(matepoint.BudgetOutOfMemoryError, match="budget plan of 4 regions"):
+        model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
