@@ -180,6 +180,8 @@ def test_partials_of_a_block_or_of_a_models_method_compile_once_per_block(
     assert matepoint.stats().offloads >= 4  # each block's input, each step
     with pytest.raises(TypeError, match="without tensor positional arguments"):
         function(functools.partial(model.mixed, torch.ones(1)), torch.ones(2))
+    with pytest.raises(TypeError, match="must be hashable"):
+        function(functools.partial(model.mixed, [0]), torch.ones(2))
 
 
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")

@@ -216,6 +216,13 @@ def _named_block(block: Any) -> tuple[tuple[Any, ...], Callable[..., Any], dict[
             if not any(isinstance(value, torch.Tensor) for value in block.args):
                 name = getattr(target, "__func__", target)
                 key = (owner or target, name, block.args, tuple(sorted(others.items())))
+                try:
+                    hash(key)
+                except TypeError as error:
+                    raise TypeError(
+                        "a block compiled with its plan is named by its partial's arguments "
+                        f"other than tensors, which must be hashable: {error}"
+                    ) from None
                 return key, functools.partial(target, *block.args, **others), tensors
     raise TypeError(
         "a block compiled with its plan is compiled once per block: the checkpoint function "
