@@ -147,8 +147,11 @@ class Scaled(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(Block() for _ in range(blocks))
 
-    def mixed(self, index: int, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
-        return self.blocks[index](x) * scale
+    def mixed(
+        self, index: int, x: torch.Tensor, *, scale: torch.Tensor | tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        factor = scale if isinstance(scale, torch.Tensor) else scale[0] * scale[1]
+        return self.blocks[index](x) * factor
 
 
 # Dynamo reads .grad of the model's tensors while it traces a method of the model (not its
@@ -166,7 +169,8 @@ def test_partials_of_a_block_or_of_a_models_method_compile_once_per_block(
             each.zero_grad(set_to_none=True)
             torch.manual_seed(0)
             x = torch.randn(*SHAPE, requires_grad=True)
-            scale = torch.full((SHAPE[1],), 0.5)
+            # A pair of tensors, as a rotary embedding's: passed each call, not compiled in.
+            scale = (torch.full((SHAPE[1],), 0.5), torch.ones(SHAPE[1]))
             for index in range(2):
                 step = functools.partial(each.mixed, index, scale=scale)
                 if call is None:

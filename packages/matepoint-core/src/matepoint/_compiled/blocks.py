@@ -31,7 +31,8 @@ Note [A block compiled with its plan]
     Rule 6. The compiled function is made once per block, on its first call: the block is a
             module, or a ``functools.partial`` of a module or of a module's method (a model
             that binds a block's position or its rotary tensors each call). The partial's
-            tensor keywords are passed at each call; its other arguments name the block with
+            keywords holding tensors are passed at each call; its other arguments (none may
+            hold a tensor positionally) name the block with
             the module, so each position is compiled once and a new partial of the same block
             reuses it. Dynamo keeps the compiled entries of one code object together, one per
             block where the blocks share their code, so matepoint raises its limit to the
@@ -211,9 +212,9 @@ def _named_block(block: Any) -> tuple[tuple[Any, ...], Callable[..., Any], dict[
         target = block.func
         owner = getattr(target, "__self__", None)
         if isinstance(target, nn.Module) or isinstance(owner, nn.Module):
-            tensors = {k: v for k, v in block.keywords.items() if isinstance(v, torch.Tensor)}
+            tensors = {k: v for k, v in block.keywords.items() if _holds_tensors(v)}
             others = {k: v for k, v in block.keywords.items() if k not in tensors}
-            if not any(isinstance(value, torch.Tensor) for value in block.args):
+            if not _holds_tensors(block.args):
                 name = getattr(target, "__func__", target)
                 key = (owner or target, name, block.args, tuple(sorted(others.items())))
                 try:
@@ -230,6 +231,11 @@ def _named_block(block: Any) -> tuple[tuple[Any, ...], Callable[..., Any], dict[
         "of its method) without tensor positional arguments; wrap the block with "
         "matepoint.integrations.checkpoint_wrapper"
     )
+
+
+def _holds_tensors(value: Any) -> bool:
+    """Whether ``value`` is a tensor or a container holding one (a rotary pair, say)."""
+    return any(isinstance(leaf, torch.Tensor) for leaf in compat.tree_flatten(value)[0])
 
 
 def _pack_inputs(
