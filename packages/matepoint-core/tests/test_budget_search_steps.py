@@ -98,8 +98,11 @@ def test_a_tight_budget_skips_a_keep_the_forward_alone_cannot_hold(
 
 def test_the_policy_is_charged_on_the_regions_that_run_it() -> None:
     """A region that recomputes everything runs without torch's modes (Note [A plan's regions],
-    rule 5): a plan that keeps only in its last regions pays the policy there alone."""
-    state = types.SimpleNamespace(policy_ops=1600, regions=16)
+    rule 5): a plan that keeps only in its last regions pays the policy there alone. Each region
+    that runs the modes is charged 100 ops here, whatever its windows
+    (test_budget_scoped_charge.py charges the windows themselves)."""
+    profile = types.SimpleNamespace(policy_ops=lambda region, scoped: 100)
+    state = types.SimpleNamespace(profile=profile, regions=16)
     charge = functools.partial(_budget._Search.policy_ops_of, state)
     assert charge({"attention": "keep"}, {}) == 1600
     assert charge({"attention": "recompute"}, {"matmul 8x8": 4}) == 400

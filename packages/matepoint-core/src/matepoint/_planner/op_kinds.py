@@ -3,7 +3,9 @@
 A budget plan (``matepoint._planner.search``) decides per kind of op inside the checkpointed regions
 whether its outputs are kept on the device, offloaded to host memory, or recomputed. This module
 gives it the two things it ranks the kinds by: the bytes an op's outputs hold, and the FLOPs
-recomputing them takes (torch's flop counter, no GPU needed), summed per kind over a step.
+recomputing them takes (torch's flop counter, no GPU needed), summed per kind over a step. It
+also counts each region's ops between its module calls, from which the search charges a plan's
+policy the ops its scoped modes will see (Note [The budget search], rule 2).
 
 Note [Op kinds]
     Rule 1. Ops are grouped by what a selective-checkpoint policy can see of them before they
@@ -25,15 +27,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint_compat as compat
+from matepoint._planner.scoped_modes import ops_in_windows, window_runs
 from matepoint._planner.trace import tensors_in
 
 __all__ = ["KindProfile", "RegionProfiler", "named_kind", "occurrence_class", "op_kind"]
 
+# The ops torch's selective-checkpoint modes run without asking the policy (none before torch
+# named them).
+_UNASKED: Any = getattr(torch_checkpoint, "SAC_IGNORED_OPS", frozenset())
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
 # The matrix operands' positions: addmm and baddbmm take the bias first.
 _BIAS_FIRST = frozenset({"addmm", "baddbmm"})
@@ -111,12 +119,45 @@ def occurrence_class(kind: str, occurrence: int) -> str:
     return f"{kind} #{occurrence}"
 
 
+@dataclasses.dataclass
+class _Stretches:
+    """One region's ops between its module events, stretch ``g`` before event ``g`` (Note
+    [Scoped selective-checkpoint modes], rule 4, in ``matepoint._planner.scoped_modes``).
+
+    Attributes:
+        kinds: Per stretch of forward, the kinds of op it ran, ``"other"`` left out.
+        ops: Per stretch of forward, its ops.
+        asked: Per stretch of forward, its ops a policy is asked about: torch's modes pass a
+            few (a detach) straight on, and a stretch of those alone parts no windows.
+        recomputed: Per stretch of the recomputation, its ops, up to where torch stopped it.
+    """
+
+    kinds: list[set[str]] = dataclasses.field(default_factory=lambda: [set()])
+    ops: list[int] = dataclasses.field(default_factory=lambda: [0])
+    asked: list[int] = dataclasses.field(default_factory=lambda: [0])
+    recomputed: list[int] = dataclasses.field(default_factory=lambda: [0])
+
+    def policy_ops(self, scoped: frozenset[str] | None) -> int:
+        """The ops torch's modes see in forward and in the recomputation where a policy keeps
+        or offloads ops of the kinds ``scoped`` (all of them where None: the plan decides
+        ``"other"``): those of the windows the modes would learn (Note [Scoped
+        selective-checkpoint modes], rules 2 to 5)."""
+        if scoped is None:
+            return sum(self.ops) + sum(self.recomputed)
+        holding = [stretch for stretch, kinds in enumerate(self.kinds) if kinds & scoped]
+        empty = {stretch for stretch, asked in enumerate(self.asked) if not asked}
+        runs = window_runs(holding, empty)
+        return ops_in_windows(self.ops, runs) + ops_in_windows(self.recomputed, runs)
+
+
 class RegionProfiler:
     """A ``context_fn`` for every checkpoint call of a step that profiles each region's forward.
 
     Each call gives its region a dispatch mode as the forward context, so it sees exactly the
     ops a selective-checkpoint policy would be asked about, and no others, and one as the
-    recomputation's context, which counts the ops backward runs again.
+    recomputation's context, which counts the ops backward runs again. Both count them per
+    stretch between the region's module events, so that a plan's policy is charged the ops its
+    scoped modes will see (:meth:`policy_ops`).
     """
 
     def __init__(self) -> None:
@@ -126,10 +167,29 @@ class RegionProfiler:
         # recomputed, as first seen.
         self.totals: dict[tuple[str, int], list[int]] = {}
         self.repeated: set[str] = set()
+        self.stretches: list[_Stretches] = []  # per region, in call order
+        self.charged: dict[tuple[int, frozenset[str] | None], int] = {}
 
     def __call__(self) -> tuple[Any, Any]:
         self.regions += 1
-        return _RegionMode(self, recompute=False), _RegionMode(self, recompute=True)
+        stretches = _Stretches()
+        self.stretches.append(stretches)
+        return (
+            _RegionMode(self, stretches, recompute=False),
+            _RegionMode(self, stretches, recompute=True),
+        )
+
+    def policy_ops(self, region: int, scoped: frozenset[str] | None) -> int:
+        """The ops torch's modes see in region ``region``, forward and recomputation, where its
+        policy keeps or offloads ops of the kinds ``scoped``, None for all (Note [The budget
+        search], rule 2, in ``matepoint._planner.search``); 0 past the regions profiled."""
+        if not 0 <= region < len(self.stretches):
+            return 0
+        key = (region, scoped)
+        charged = self.charged.get(key)
+        if charged is None:
+            charged = self.charged[key] = self.stretches[region].policy_ops(scoped)
+        return charged
 
     def kinds(self) -> list[KindProfile]:
         """The classes of op seen that hold bytes, best to keep first (Note [Op kinds], rule 3)."""
@@ -149,11 +209,40 @@ class _RegionMode(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
     ``n``-th op of a kind there is the ``n``-th of forward.
     """
 
-    def __init__(self, profiler: RegionProfiler, recompute: bool) -> None:
+    def __init__(self, profiler: RegionProfiler, stretches: _Stretches, recompute: bool) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.profiler = profiler
         self.recompute = recompute
         self.seen: collections.Counter[str] = collections.Counter()
+        # Ops per stretch between module events: the recomputation's, or forward's.
+        self.ops = stretches.recomputed if recompute else stretches.ops
+        self.kinds = stretches.kinds
+        self.asked = stretches.asked
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> Any:
+        """Count the module events of the region from here, on this thread, as the recording
+        of Note [Scoped selective-checkpoint modes] does (rule 4)."""
+        thread = threading.get_ident()
+
+        def event(*arguments: Any) -> None:
+            if threading.get_ident() == thread:
+                self.ops.append(0)
+                if not self.recompute:
+                    self.kinds.append(set())
+                    self.asked.append(0)
+
+        self.handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(event),
+            torch.nn.modules.module.register_module_forward_hook(event),
+        ]
+        return super().__enter__()  # type: ignore[no-untyped-call]
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        return super().__exit__(*exc_info)  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -162,12 +251,17 @@ class _RegionMode(compat.TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **kwargs)
         kind = op_kind(func, args)
         self.seen[kind] += 1
+        self.ops[-1] += 1
         profiler = self.profiler
         if self.recompute:
             totals = profiler.totals.get((kind, self.seen[kind]))
             if totals is not None:
                 totals[3] += 1
             return out
+        if kind != "other":
+            self.kinds[-1].add(kind)
+        if func not in _UNASKED:
+            self.asked[-1] += 1
         profiler.ops += 1
         if self.seen[kind] > 1:
             profiler.repeated.add(kind)

@@ -18,7 +18,14 @@ import matepoint_compat as compat
 from matepoint._planner.op_kinds import named_kind, occurrence_class, op_kind
 from matepoint._planner.scoped_modes import scoped_contexts
 
-__all__ = ["AVAILABLE", "OFFLOAD_AVAILABLE", "Decision", "context_fn_of", "policy_of"]
+__all__ = [
+    "AVAILABLE",
+    "OFFLOAD_AVAILABLE",
+    "Decision",
+    "context_fn_of",
+    "policy_of",
+    "scoped_kinds_of",
+]
 
 Decision = Literal["keep", "offload", "recompute"]
 
@@ -84,8 +91,7 @@ def policy_of(
             policy keeps or offloads ops, learnt on its block's first call (Note [Scoped
             selective-checkpoint modes] in ``matepoint._planner.scoped_modes``).
     """
-    kept = [name for name, last in kept_in_last.items() if region >= regions - last]
-    table = _table_of({**decisions, **dict.fromkeys(kept, "keep")})
+    table = _table_of(_chosen_in(decisions, kept_in_last, regions, region))
     recompute = _POLICY_VALUES["recompute"]
     # Ops of each decided kind seen so far in the region, in forward and in the recomputation
     # apart (Note [Op kinds], rule 3); a kind no class of which is decided needs no count.
@@ -117,16 +123,41 @@ def policy_of(
     ]
     if all(value is recompute for value in values):
         policy.__dict__[_RECOMPUTES_EVERYTHING] = True
+    policy.__dict__[_SCOPED_KINDS] = _scoped_in(table)
+    policy.__dict__[_SEEN] = seen_in_forward
+    # A plan that offloads nothing needs no offload wrapper around its contexts.
+    offloads = _POLICY_VALUES.get("offload")
+    return policy if offloads in values else compat.never_offloading(policy)
+
+
+def scoped_kinds_of(
+    decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int, region: int
+) -> frozenset[str] | None:
+    """The kinds region ``region``'s policy keeps or offloads some op of: none where it
+    recomputes every op and runs without torch's modes, None where it decides ``"other"`` and
+    runs them over the whole region (Note [A plan's regions], rules 5 and 6)."""
+    return _scoped_in(_table_of(_chosen_in(decisions, kept_in_last, regions, region)))
+
+
+def _chosen_in(
+    decisions: dict[str, Decision], kept_in_last: dict[str, int], regions: int, region: int
+) -> dict[str, Decision]:
+    """Region ``region``'s decisions: the plan's, and a keep for each class kept in the last
+    regions that include it (Note [A plan's regions], rule 2)."""
+    kept = [name for name, last in kept_in_last.items() if region >= regions - last]
+    return {**decisions, **dict.fromkeys(kept, "keep")}
+
+
+def _scoped_in(table: dict[str, tuple[Any, dict[int, Any]]]) -> frozenset[str] | None:
+    """A table's kinds it keeps or offloads some op of, None where one is ``"other"`` (Note
+    [Scoped selective-checkpoint modes], rule 2)."""
+    recompute = _POLICY_VALUES["recompute"]
     scoped = frozenset(
         kind
         for kind, (kind_value, by_occurrence) in table.items()
         if any(value is not recompute for value in (kind_value, *by_occurrence.values()))
     )
-    policy.__dict__[_SCOPED_KINDS] = None if "other" in scoped else scoped
-    policy.__dict__[_SEEN] = seen_in_forward
-    # A plan that offloads nothing needs no offload wrapper around its contexts.
-    offloads = _POLICY_VALUES.get("offload")
-    return policy if offloads in values else compat.never_offloading(policy)
+    return None if "other" in scoped else scoped
 
 
 def _table_of(chosen: dict[str, Decision]) -> dict[str, tuple[Any, dict[int, Any]]]:

@@ -54,14 +54,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-__all__ = ["ScopedModes", "scoped_contexts"]
+__all__ = ["ScopedModes", "ops_in_windows", "scoped_contexts", "window_runs"]
 
 # A module event's phase: its forward pre-hook or its forward hook.
 _PRE, _POST = 0, 1
@@ -366,18 +366,34 @@ class _Recording:
         if self.foreign:
             return _WHOLE
         counts = {kind: self.seen.get(kind, 0) for kind in self.kinds}
-        stretches = sorted(self.scoped)
-        # Windows as runs of stretches [first, last], merged where only empty ones part them.
-        runs: list[list[int]] = []
-        for stretch in stretches:
-            if runs and all(s in self.empty for s in range(runs[-1][1] + 1, stretch)):
-                runs[-1][1] = stretch
-            else:
-                runs.append([stretch, stretch])
+        runs = window_runs(self.scoped, self.empty)
         if any(first <= 1 and last == len(events) for first, last in runs):
             return _WHOLE  # on from the first module event to the region's end
         on_after_first = any(first <= 1 <= last for first, last in runs)
         return _Windows(counts, on_after_first, _module_events(events, runs))
+
+
+def window_runs(scoped: Iterable[int], empty: Container[int]) -> list[list[int]]:
+    """A region's windows, runs ``[first, last]`` of stretches (stretch ``g`` lies before module
+    event ``g``): those holding ops of scoped kinds, merged where only stretches without an op
+    part them (Note [Scoped selective-checkpoint modes], rule 4); the budget search's too."""
+    runs: list[list[int]] = []
+    for stretch in sorted(scoped):
+        if runs and all(s in empty for s in range(runs[-1][1] + 1, stretch)):
+            runs[-1][1] = stretch
+        else:
+            runs.append([stretch, stretch])
+    return runs
+
+
+def ops_in_windows(ops: Sequence[int], runs: list[list[int]]) -> int:
+    """The ops the mode sees of a region run with ``ops`` per stretch and windows ``runs``: those
+    before its first module event (the mode is on from its start, rule 3) and in a window. A
+    pass that stops early (the recomputation) has fewer stretches than the windows name."""
+    inside = set(range(min(len(ops), 1)))
+    for first, last in runs:
+        inside.update(range(first, min(last + 1, len(ops))))
+    return sum(ops[stretch] for stretch in inside)
 
 
 def _module_events(events: list[tuple[nn.Module, int]], runs: list[list[int]]) -> Any:

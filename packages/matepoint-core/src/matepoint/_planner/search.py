@@ -21,11 +21,19 @@ Note [The budget search]
         A kind the profiled step's recomputation never runs (a block's last projection, after
         everything backward reads: torch's recomputation stops before it) is not tried: keeping
         or offloading it saves nothing.
-    Rule 2. Any policy at all costs host time on every op of the regions, in forward and in the
-        recomputation (``DeviceModel.policy_seconds_per_op``), the same whatever it keeps: tries
-        are compared without it, and rules 7 and 9 charge it at the end. Host time overlaps the
-        device's (Note [Host and device overlap] in ``matepoint._planner.time_model``): it
-        costs a step only beyond the device's time.
+    Rule 2. A policy costs host time (``DeviceModel.policy_seconds_per_op``) on each op torch's
+        selective-checkpoint modes see, in forward and in the recomputation. A region runs them
+        only in the windows around the module calls that run ops of the kinds its policy keeps
+        or offloads (Note [Scoped selective-checkpoint modes] in
+        ``matepoint._planner.scoped_modes``), over the whole region where it decides
+        ``"other"``, and not at all where it recomputes everything: a plan that keeps two
+        projections pays for the ops of their windows, not for every op. The profile counts
+        each region's ops between its module events, in forward and in the recomputation as
+        far as torch runs it (its early stop), and finds a plan's windows in them by the
+        modes' own rule (``scoped_modes.window_runs``). Tries are compared without the cost,
+        and rules 7 and 9 charge it at the end, where every try is a candidate. It is not
+        hidden by the device's time (Note [Host and device overlap] in
+        ``matepoint._planner.time_model``, rule 4).
     Rule 3. Where the starting step (matepoint on every region) does not fit with its
         look-ahead, it is planned again without (``prefetch`` 0), which is taken if it fits;
         where that does not fit either, with the checkpoint inputs held on the device (rule 6),
@@ -144,7 +152,13 @@ from matepoint._options import OffloadSettings
 from matepoint._planner import decision
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.op_kinds import KindProfile, RegionProfiler
-from matepoint._planner.policy import AVAILABLE, OFFLOAD_AVAILABLE, Decision, context_fn_of
+from matepoint._planner.policy import (
+    AVAILABLE,
+    OFFLOAD_AVAILABLE,
+    Decision,
+    context_fn_of,
+    scoped_kinds_of,
+)
 from matepoint._planner.step import Planned, SavedInput, StrategyPlan
 from matepoint._planner.time_model import DeviceModel, step_seconds
 
@@ -238,8 +252,9 @@ class _Search:
         device: The time model's device.
         budget: What the step may use.
         regions: The profiled step's checkpoint calls, at least 1 (Note [A plan's regions]).
-        policy_ops: Ops a policy meets in one step: every op of the regions, in forward and
-            again in the recomputation (Note [The budget search], rule 2).
+        profile: The profiled step's regions, op by op between module events, from which a
+            plan's policy is charged the ops torch's modes see (Note [The budget search], rule
+            2); None where no mode runs in the step (rule 11).
         host_ops: Ops the host runs in one checkpointed step: the regions' forward, its
             recomputation and backward, taken as many again as forward.
         kinds: The profiled kinds of op, best to keep first (Note [Op kinds]).
@@ -254,7 +269,7 @@ class _Search:
     device: DeviceModel
     budget: _Budget
     regions: int
-    policy_ops: int
+    profile: RegionProfiler | None
     host_ops: int
     kinds: tuple[KindProfile, ...]
     every_block: _Trial
@@ -302,15 +317,19 @@ class _Search:
         return dataclasses.replace(choice, trial=trial._replace(seconds=seconds))
 
     def policy_ops_of(self, decisions: dict[str, Decision], kept_in_last: dict[str, int]) -> int:
-        """The ops a plan's policy meets in a step: every region's where it decides anything
-        but recompute, else those of the last regions it keeps in; a region that recomputes
-        everything runs without torch's modes (Note [A plan's regions], rule 5, in
-        ``matepoint._planner.policy``)."""
-        if any(decision != "recompute" for decision in decisions.values()):
-            return self.policy_ops
-        if not kept_in_last or self.regions == 0:
+        """The ops a plan's policy meets in a step: in each region that runs torch's modes,
+        those inside the windows its scoped kinds open, in forward and in the recomputation
+        (Note [The budget search], rule 2); a region that recomputes everything runs none
+        (Note [A plan's regions], rule 5, in ``matepoint._planner.policy``)."""
+        profile = self.profile
+        if profile is None:
             return 0
-        return self.policy_ops * min(self.regions, max(kept_in_last.values())) // self.regions
+        ops = 0
+        for region in range(self.regions):
+            scoped = scoped_kinds_of(decisions, kept_in_last, self.regions, region)
+            if scoped is None or scoped:
+                ops += profile.policy_ops(region, scoped)
+        return ops
 
     def note_peak(self, planned: StrategyPlan) -> None:
         """Count ``planned``'s peak in the smallest, where its host side fits (Note [The budget
@@ -405,9 +424,8 @@ def _profiled(
         device=device,
         budget=budget,
         regions=max(profiler.regions, 1),
-        # Every op of the regions meets the policy twice, in forward and in the recomputation;
-        # none does in a compiled graph (rule 11).
-        policy_ops=0 if settings.compiled_offload else 2 * profiler.ops,
+        # No selective mode runs in a compiled graph (rule 11).
+        profile=None if settings.compiled_offload else profiler,
         host_ops=3 * profiler.ops,
         kinds=tuple(profiler.kinds()),
         every_block=_timed(profiled, settings, device, budget, 3 * profiler.ops, saves=saves),

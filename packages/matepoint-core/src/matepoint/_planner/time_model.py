@@ -145,11 +145,13 @@ def link_seconds(nbytes: int, bandwidth: float) -> float:
 #     Rule 3. The host queues work ahead of the device: the step takes the longer of the two,
 #         so host time costs the step only where it is longer than the device's.
 #     Rule 4. A selective-checkpoint policy's cost (``policy_seconds_per_op`` for each op it
-#         sees) is not hidden: torch's modes run it in Python for every op of the forward and
-#         of the recomputation, where the device's work per op is short, so the device waits
-#         for it there however long the whole step's device time is. Charged hidden, plans
-#         with a policy measured slower than planned (docs/benchmarks.md, the one call on an
-#         H100), and keeping everything tied with no checkpoint at all.
+#         sees) is not hidden: torch's modes run it in Python for every op they see of the
+#         forward and of the recomputation (those inside a plan's windows, Note [The budget
+#         search], rule 2, in ``matepoint._planner.search``), where the device's work per op is
+#         short, so the device waits for it there however long the whole step's device time
+#         is. Charged hidden, plans with a policy measured slower than planned
+#         (docs/benchmarks.md, the one call on an H100), and keeping everything tied with no
+#         checkpoint at all.
 #     Example: a device time of 30 ms and 3000 ops at 4 us each: the host needs 12 ms, hidden,
 #     and the step takes 30 ms; with 1000 of them through a policy at 10 us each, 40 ms.
 
@@ -166,7 +168,7 @@ def step_seconds(
 
     See Note [Host and device overlap]. ``host_ops`` ops run in the step, each costing
     ``device.host_seconds_per_op`` on the host; ``policy_ops`` of them pass through a
-    selective-checkpoint policy (torch runs it in Python for every op of a region, in forward
+    selective-checkpoint policy (torch runs it in Python for every op its modes see, in forward
     and again in the recomputation), each costing ``device.policy_seconds_per_op`` more.
     """
     forward = compute_seconds(strategy_plan.forward_flops, device.peak_flops)
