@@ -10,6 +10,7 @@ import pytest
 
 from matepoint_examples.bench._budget_report import (
     HOST_BOUND_FRACTION,
+    _verdict_line,
     host_fields,
     plot_frontier,
     print_report,
@@ -98,6 +99,10 @@ def test_no_standing_where_no_peer_fits_or_the_plan_did_not_run() -> None:
     assert "fastest_peer" not in verdict["budget@mid"]
     assert not verdict["budget@mid"]["within_budget"]
     assert verdict["budget@mid"]["predicted_error"] is None
+    # Printed without a peak, not as over the budget (a compile that failed, say).
+    line = _verdict_line("budget@mid", verdict["budget@mid"])
+    assert "no measured peak (budget 14.00 GiB)" in line
+    assert "OVER" not in line
 
 
 def test_the_printed_report_ends_with_each_verdict(capsys: pytest.CaptureFixture[str]) -> None:

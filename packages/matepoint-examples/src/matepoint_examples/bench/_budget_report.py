@@ -196,7 +196,9 @@ def verdicts(
 def _verdict_line(name: str, verdict: Mapping[str, Any]) -> str:
     peak = verdict["measured_peak_bytes"]
     budget = verdict["budget_bytes"] / _GIB
-    if not verdict["within_budget"]:
+    if peak < 0:  # it failed or ran out of memory: no peak to judge
+        memory = f"no measured peak (budget {budget:.2f} GiB)"
+    elif not verdict["within_budget"]:
         memory = f"OVER the budget of {budget:.2f} GiB (peak {peak / _GIB:.2f})"
     else:
         memory = f"peak {peak / _GIB:.2f} of {budget:.2f} GiB"
