@@ -21,6 +21,7 @@ from torch import nn
 import matepoint
 import matepoint._planner.policy
 import matepoint._planner.search
+import matepoint._planner.search_state
 import matepoint_compat as compat
 from matepoint._planner.op_kinds import op_kind
 from matepoint._planner.policy import AVAILABLE, OFFLOAD_AVAILABLE
@@ -195,7 +196,7 @@ def test_a_kind_backward_never_recomputes_is_profiled_but_never_tried(
         tried.append(decisions)
         return context_fn(decisions, *args)
 
-    monkeypatch.setattr(matepoint._planner.search, "context_fn_of", logged)
+    monkeypatch.setattr(matepoint._planner.search_state, "context_fn_of", logged)
     memory_plan = _plan()
     budget = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2, device=FREE_POLICY)
     recomputed = {kind.kind: kind.recomputed for kind in budget.kinds}

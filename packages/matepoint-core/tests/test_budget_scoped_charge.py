@@ -20,7 +20,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import matepoint
-from matepoint._planner import policy, scoped_modes
+from matepoint._planner import policy, scoped_modes, search_state
 from matepoint._planner import search as _budget
 from matepoint._planner.time_model import DeviceModel
 from matepoint.testing import CPUTestTransport, use_transport
@@ -89,7 +89,7 @@ def _profiled(block: Callable[[], nn.Module]) -> Any:
         stack = Stack(block=block)
         x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
     memory_plan = matepoint.plan(stack, x, options=matepoint.OffloadSettings(min_offload_bytes=0))
-    budget = _budget._Budget(memory_plan["none"].peak_bytes * 2, None, 1)
+    budget = search_state.Budget(memory_plan["none"].peak_bytes * 2, None, 1)
     replan = memory_plan._search_replan
     return _budget._profiled(replan, memory_plan.effective_options, budget, FREE_POLICY)
 
@@ -171,7 +171,7 @@ def test_kinds_kept_in_the_last_regions_are_paid_there_alone(
 def test_a_plan_without_a_policy_and_a_compiled_plan_pay_nothing(search: Any) -> None:
     assert search.policy_ops_of({}, {}) == 0
     assert search.policy_ops_of({OUT: "recompute"}, {}) == 0
-    compiled = _budget._Search(**{**search.__dict__, "profile": None, "tried": []})
+    compiled = search_state.Search(**{**search.__dict__, "profile": None, "tried": []})
     assert compiled.policy_ops_of({"other": "keep"}, {}) == 0
 
 

@@ -14,8 +14,7 @@ import pytest
 from test_budget import BLOCKS, FREE_LINK, FREE_POLICY, _plan
 
 import matepoint
-from matepoint._planner import decision, policy
-from matepoint._planner import search as _budget
+from matepoint._planner import decision, policy, search_state
 from matepoint._planner.policy import AVAILABLE
 
 pytestmark = pytest.mark.skipif(
@@ -49,7 +48,7 @@ def _search(
         return context_fn(decisions, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(_budget, "context_fn_of", logged)
+        patch.setattr(search_state, "context_fn_of", logged)
         if not bounds:
             patch.setattr(decision, "cannot_fit_kept", lambda *args: False)
             patch.setattr(decision, "surely_fits_kept", lambda *args: False)
@@ -103,7 +102,7 @@ def test_the_policy_is_charged_on_the_regions_that_run_it() -> None:
     (test_budget_scoped_charge.py charges the windows themselves)."""
     profile = types.SimpleNamespace(policy_ops=lambda region, scoped: 100)
     state = types.SimpleNamespace(profile=profile, regions=16)
-    charge = functools.partial(_budget._Search.policy_ops_of, state)
+    charge = functools.partial(search_state.Search.policy_ops_of, state)
     assert charge({"attention": "keep"}, {}) == 1600
     assert charge({"attention": "recompute"}, {"matmul 8x8": 4}) == 400
     assert charge({}, {"matmul 8x8": 1, "attention": 2}) == 200

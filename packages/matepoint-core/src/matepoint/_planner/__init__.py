@@ -11,8 +11,9 @@
   policy keeps or offloads.
 - ``live_model`` and ``sharded_twin``: the one call on the user's model (its meta twin, an
   FSDP2 model's per rank).
-- ``decision``, ``search`` and ``budget_plan``: the budget search's rule over plain numbers,
-  the loop that plans the steps it compares, and its answer.
+- ``decision``, ``search`` (with ``search_state`` and ``conclusion``) and ``budget_plan``: the
+  budget search's rule over plain numbers, the loop that plans the steps it compares, and its
+  answer.
 - ``recommend`` and ``memory_plan``: the options search and ``matepoint.plan``.
 
 The planner imports the engine and the settings, never the front door's checkpoint.

@@ -49,7 +49,7 @@ class BudgetPlan:
         regions: The checkpoint calls of the planned step.
         settings: Every offload setting the step was planned under, the look-ahead
             (``prefetch``), ``min_offload_bytes`` and ``stash_bytes`` the search chose among
-            them (Note [The stash] in ``matepoint._planner.search``); applying all of them
+            them (Note [The stash] in ``matepoint._planner.conclusion``); applying all of them
             (:meth:`settings_changes`) reproduces the planned step.
         peak_bytes: The chosen step's planned peak device memory.
         pinned_bytes_per_node: Pinned host RAM of one rank's pool times ``ranks_per_node``
@@ -61,7 +61,8 @@ class BudgetPlan:
         kinds: The kinds of op ranked, best first.
         strategy_plan: The chosen step's full plan (a :class:`matepoint.StrategyPlan`).
         measured_seconds: The measured step times of the search's finalists, this plan's
-            (the fastest) first (Note [Measured finalists]); empty when none were measured.
+            (the fastest) first (Note [Measured finalists] in
+            ``matepoint._planner.conclusion``); empty when none were measured.
         checkpoint: False where the step without any checkpoint fits and is estimated fastest
             (Note [The budget search], rule 10): train without checkpointing; ``decisions``
             is then empty and ``strategy_plan`` is that step's.
@@ -179,7 +180,7 @@ class BudgetPlan:
     def stash_bytes(self) -> int:
         """The stash chosen (``OffloadSettings.stash_bytes``): bytes of the newest offloaded
         inputs kept on the device, their copies back spared (Note [The stash] in
-        ``matepoint._planner.search``)."""
+        ``matepoint._planner.conclusion``)."""
         return self.settings.stash_bytes
 
     @property

@@ -248,7 +248,7 @@ def largest_stash(levels: Sequence[int], fits: Callable[[int], bool]) -> int:
 
     A larger stash holds more inputs on the device, so a step's peak grows with it: ``fits``
     is true up to some level and false above. ``levels[0]`` is taken to fit (it is not asked).
-    See Note [The stash], rule 2.
+    See Note [The stash], rule 2 (in ``matepoint._planner.conclusion``).
     """
     index = bisect.bisect_right(levels, False, lo=1, key=lambda level: not fits(level))
     return levels[index - 1]
@@ -257,7 +257,7 @@ def largest_stash(levels: Sequence[int], fits: Callable[[int], bool]) -> int:
 def stash_pays(seconds: float, seconds_without_copies_back: float) -> bool:
     """Whether a step's copies back cost it time: the time model estimates it faster without
     them, so the link is its limit, and a stash, which spares copies back, can speed it. See
-    Note [The stash], rule 1."""
+    Note [The stash] (``matepoint._planner.conclusion``), rule 1."""
     return seconds_without_copies_back < seconds
 
 

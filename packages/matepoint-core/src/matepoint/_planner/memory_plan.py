@@ -111,7 +111,7 @@ class MemoryPlan:
         ``stash_bytes`` and ``prefetch`` alone, for the least link traffic, not the fastest
         step. :meth:`fastest_under` is the one answer to a budget (what ``matepoint-plan``
         prints): it chooses the look-ahead, the inputs held and the stash (with this search's
-        rule: Note [The stash] in ``matepoint._planner.search``) with keep, offload or
+        rule: Note [The stash] in ``matepoint._planner.conclusion``) with keep, offload or
         recompute per kind of op, and where nothing fits says how much of the batch would. It
         also runs before torch 2.5, which budget plans need.
 

@@ -13,7 +13,10 @@ the times are estimates.
 
 The search is two parts: the replanning loop here, which plans candidate steps and hands their
 outcomes on as numbers, and the decision rule in ``matepoint._planner.decision``, pure functions
-of those numbers, which says what to plan next and what to keep.
+of those numbers, which says what to plan next and what to keep. The loop's state (a planned
+candidate, the budgets, the best choice) is in ``matepoint._planner.search_state``, and its
+answer (the fastest that fits or the finalist measured fastest, its inputs held and its stash
+chosen) in ``matepoint._planner.conclusion``.
 
 Note [The budget search]
     Rule 1. Kinds are ranked by recompute FLOPs per byte their outputs hold (attention near
@@ -108,59 +111,28 @@ Note [Steps the search spares]
         The search would have kept each (a keep that fits only saves recompute), so where that
         step fits and is faster it is taken; where it is not, the search goes on kind by kind.
     Rule 3. Neither bound decides on its own that a plan fits: only planned steps do.
-
-Note [The stash]
-    ``stash_bytes`` keeps the newest offloaded inputs on the device: their copy to the host
-    still happens, their copy back does not. It trades device memory for copies back.
-    Rule 1. The stash is chosen last, over the plan the search returns (Note [The budget
-        search], rule 9), keeping every other choice: it is tried only where that step's copies
-        back cost it time (the time model estimates it faster without them: the link is its
-        limit) and the step fits; elsewhere the settings' stash stays.
-    Rule 2. The stash taken is the largest that still fits, by binary search over the newest
-        inputs the step offloads (``decision.stash_levels``, ``decision.largest_stash``, the
-        rule ``MemoryPlan.recommend`` uses too), above the settings' own; it is taken where the
-        step gets faster.
-    Example: eight blocks, every input offloaded and fetched without look-ahead (``prefetch``
-    0, so every copy back waits), room for ten block inputs above the every-block peak, but not
-    for holding them all: the plan keeps what it keeps, then stashes the newest inputs that
-    still fit, and copies fewer back (test_budget_stash.py).
-
-Note [Measured finalists]
-    Rule 1. The time model's least certain term is the policy's host cost: how much of it the
-        device's work hides depends on the host's speed and the model's op sizes
-        (docs/benchmarks.md). Given ``measure``, the search does not decide on that estimate (Note
-        [The budget search], rule 7).
-    Rule 2. Where it found a plan with a policy, it hands two finalists to ``measure``: that
-        plan and the best without a policy, each with the checkpoint inputs held on the device
-        where that fits (Note [The budget search], rule 6), and, where rule 10 found them, the
-        step with its last regions unchecked and the step without any checkpoint.
-        ``measure`` times them on the real model (``math.inf`` for one that could not run,
-        out of memory), and the fastest is returned with the times.
-    Rule 3. A search that found no policy worth trying measures nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 
 from matepoint._options import OffloadSettings
 from matepoint._planner import decision
 from matepoint._planner.budget_plan import BudgetPlan
+from matepoint._planner.conclusion import conclude
 from matepoint._planner.op_kinds import KindProfile, RegionProfiler
 from matepoint._planner.policy import (
     AVAILABLE,
     OFFLOAD_AVAILABLE,
     Decision,
-    context_fn_of,
-    scoped_kinds_of,
 )
-from matepoint._planner.step import Planned, SavedInput, StrategyPlan
-from matepoint._planner.time_model import DeviceModel, step_seconds
+from matepoint._planner.search_state import Budget, Choice, Search, Trial, timed
+from matepoint._planner.step import Planned, StrategyPlan
+from matepoint._planner.time_model import DeviceModel
 
 __all__ = ["fastest_under"]
 
@@ -169,200 +141,6 @@ __all__ = ["fastest_under"]
 _REGION_TRIES = 2
 # Steps planned to find how many last regions run without a checkpoint, at most (rule 10).
 _UNCHECKED_TRIES = 4
-
-
-class _Trial(NamedTuple):
-    """One planned candidate: its step, its settings, its estimated time, whether it fits, and
-    the checkpoint inputs it saved (Note [The stash] reads which it offloads)."""
-
-    plan: StrategyPlan
-    settings: OffloadSettings
-    seconds: float
-    fits: bool
-    saves: tuple[SavedInput, ...] = ()
-
-    @property
-    def outcome(self) -> decision.Outcome:
-        """What the decision rule sees of it."""
-        return decision.Outcome(self.seconds, self.fits)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Budget:
-    """What a step may use.
-
-    Attributes:
-        device_bytes: Device memory the step may use.
-        host_bytes: Pinned host RAM one node may use, or None for no limit.
-        ranks_per_node: Ranks sharing a node's host RAM, each with its own pool.
-    """
-
-    device_bytes: int
-    host_bytes: int | None
-    ranks_per_node: int
-
-    def fits(self, plan: StrategyPlan) -> bool:
-        """Whether ``plan`` fits both budgets, its pool never raising."""
-        return decision.fits(
-            plan.peak_bytes,
-            plan.pinned_bytes,
-            self.ranks_per_node,
-            self.device_bytes,
-            self.host_bytes,
-            plan.pool_would_raise,
-        )
-
-    def fits_host(self, plan: StrategyPlan) -> bool:
-        """Whether ``plan``'s host side fits, whatever the device budget."""
-        return decision.fits_host(
-            plan.pinned_bytes, self.ranks_per_node, self.host_bytes, plan.pool_would_raise
-        )
-
-
-def _timed(
-    plan: StrategyPlan,
-    settings: OffloadSettings,
-    device: DeviceModel,
-    budget: _Budget,
-    host_ops: int,
-    policy_ops: int = 0,
-    saves: tuple[SavedInput, ...] = (),
-) -> _Trial:
-    """``plan`` as a candidate, timed with ``host_ops`` ops on the host, ``policy_ops`` of them
-    through a policy (Note [Host and device overlap] in ``matepoint._planner.time_model``)."""
-    seconds = step_seconds(plan, device, settings.prefetch, policy_ops, host_ops)
-    return _Trial(plan, settings, seconds, budget.fits(plan), saves)
-
-
-class _Figures(NamedTuple):
-    """A step's figures as the time model reads them (``StepFigures``), to time it otherwise."""
-
-    forward_flops: int
-    backward_flops: int
-    bytes_to_host: int
-    bytes_to_device: int
-
-
-@dataclasses.dataclass
-class _Search:
-    """One budget search: what it plans with, and the least peak it has planned.
-
-    Attributes:
-        replan: Plans the matepoint step with other settings and a ``context_fn=``.
-        device: The time model's device.
-        budget: What the step may use.
-        regions: The profiled step's checkpoint calls, at least 1 (Note [A plan's regions]).
-        profile: The profiled step's regions, op by op between module events, from which a
-            plan's policy is charged the ops torch's modes see (Note [The budget search], rule
-            2); None where no mode runs in the step (rule 11).
-        host_ops: Ops the host runs in one checkpointed step: the regions' forward, its
-            recomputation and backward, taken as many again as forward.
-        kinds: The profiled kinds of op, best to keep first (Note [Op kinds]).
-        every_block: The profiled step: matepoint on every region, nothing kept.
-        calls_are_regions: Whether every non-reentrant checkpoint call of the profiled step is
-            a region (Note [The budget search], rule 10).
-        smallest: The least peak among the steps planned so far whose host side fits, the
-            profile's included (Note [The budget search], rule 8); None before there is one.
-    """
-
-    replan: Callable[..., Planned]
-    device: DeviceModel
-    budget: _Budget
-    regions: int
-    profile: RegionProfiler | None
-    host_ops: int
-    kinds: tuple[KindProfile, ...]
-    every_block: _Trial
-    calls_are_regions: bool
-    smallest: int | None
-    tried: list[_Choice] = dataclasses.field(default_factory=list)
-
-    def attempt(
-        self,
-        decisions: dict[str, Decision],
-        kept_in_last: dict[str, int],
-        settings: OffloadSettings,
-        policy_cost: bool = False,
-        unchecked_last: int = 0,
-    ) -> _Trial:
-        """Plan one candidate, its last ``unchecked_last`` regions without a checkpoint; its
-        time leaves out the policy's host cost unless asked."""
-        context_fn = context_fn_of(decisions, kept_in_last, self.regions)
-        checkpointed = self.regions - unchecked_last if unchecked_last else None
-        planned, saves = self.replan(
-            settings, context_fn=context_fn, checkpointed_calls=checkpointed
-        )
-        self.note_peak(planned)
-        ops = self.policy_ops_of(decisions, kept_in_last) if policy_cost else 0
-        host_ops = self.host_ops_of(unchecked_last)
-        trial = _timed(planned, settings, self.device, self.budget, host_ops, ops, saves)
-        self.tried.append(_Choice(trial, dict(decisions), dict(kept_in_last), True, unchecked_last))
-        return trial
-
-    def host_ops_of(self, unchecked_last: int) -> int:
-        """The ops the host runs in a step whose last ``unchecked_last`` regions have no
-        checkpoint: theirs are not run again in backward."""
-        recomputed = self.host_ops // 3  # one pass of the regions' ops
-        return self.host_ops - recomputed * min(unchecked_last, self.regions) // self.regions
-
-    def charged(self, choice: _Choice) -> _Choice:
-        """``choice`` timed with its policy's host cost, where it has a policy (Note [The
-        budget search], rules 2 and 7)."""
-        if not (choice.decisions or choice.kept_in_last):
-            return choice
-        trial = choice.trial
-        ops = self.policy_ops_of(choice.decisions, choice.kept_in_last)
-        host_ops = self.host_ops_of(choice.unchecked_last)
-        seconds = step_seconds(trial.plan, self.device, trial.settings.prefetch, ops, host_ops)
-        return dataclasses.replace(choice, trial=trial._replace(seconds=seconds))
-
-    def policy_ops_of(self, decisions: dict[str, Decision], kept_in_last: dict[str, int]) -> int:
-        """The ops a plan's policy meets in a step: in each region that runs torch's modes,
-        those inside the windows its scoped kinds open, in forward and in the recomputation
-        (Note [The budget search], rule 2); a region that recomputes everything runs none
-        (Note [A plan's regions], rule 5, in ``matepoint._planner.policy``)."""
-        profile = self.profile
-        if profile is None:
-            return 0
-        ops = 0
-        for region in range(self.regions):
-            scoped = scoped_kinds_of(decisions, kept_in_last, self.regions, region)
-            if scoped is None or scoped:
-                ops += profile.policy_ops(region, scoped)
-        return ops
-
-    def note_peak(self, planned: StrategyPlan) -> None:
-        """Count ``planned``'s peak in the smallest, where its host side fits (Note [The budget
-        search], rule 8)."""
-        if self.budget.fits_host(planned):
-            peak = planned.peak_bytes
-            self.smallest = peak if self.smallest is None else min(self.smallest, peak)
-
-    @property
-    def holding_min_offload_bytes(self) -> int | None:
-        """The ``min_offload_bytes`` that holds every checkpoint input on the device, or None
-        where the profiled step moves none (Note [The budget search], rule 6)."""
-        return decision.inputs_on_device_min_offload_bytes(self.every_block.plan.bytes_to_host)
-
-
-@dataclasses.dataclass
-class _Choice:
-    """The best candidate so far and the choice that gave it.
-
-    Attributes:
-        trial: Its planned step.
-        decisions: Per class of op kept or offloaded in every region; the rest are recomputed.
-        kept_in_last: Classes kept in the last regions only, with how many.
-        checkpoint: False for the step without any checkpoint (Note [The budget search],
-            rule 10).
-        unchecked_last: The last regions run without a checkpoint (rule 10).
-    """
-
-    trial: _Trial
-    decisions: dict[str, Decision] = dataclasses.field(default_factory=dict)
-    kept_in_last: dict[str, int] = dataclasses.field(default_factory=dict)
-    checkpoint: bool = True
-    unchecked_last: int = 0
 
 
 def fastest_under(
@@ -385,7 +163,8 @@ def fastest_under(
         host_budget_bytes: Pinned host RAM one node may use, or None for no limit.
         ranks_per_node: Ranks sharing a node's host RAM.
         device: The time model's device.
-        measure: Times plans on the real device (Note [Measured finalists]), or None to
+        measure: Times plans on the real device (Note [Measured finalists] in
+            ``matepoint._planner.conclusion``), or None to
             trust the time model.
         no_checkpoint: The step planned without any checkpoint, a candidate where it fits
             (Note [The budget search], rule 10), or None.
@@ -400,26 +179,26 @@ def fastest_under(
         )
     if ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
-    budget = _Budget(budget_bytes, host_budget_bytes, ranks_per_node)
+    budget = Budget(budget_bytes, host_budget_bytes, ranks_per_node)
     search = _profiled(replan, settings, budget, device)
     plain = _start(search)
-    best = _Choice(plain)
+    best = Choice(plain)
     overflowed = _decide_kinds(search, best)
     _keep_in_last_regions(search, best, overflowed)
     unchecked_last = _unchecked_last_regions(search, plain, no_checkpoint)
-    return _conclude(search, plain, best, measure, no_checkpoint, unchecked_last)
+    return conclude(search, plain, best, measure, no_checkpoint, unchecked_last)
 
 
 def _profiled(
     replan: Callable[..., Planned],
     settings: OffloadSettings,
-    budget: _Budget,
+    budget: Budget,
     device: DeviceModel,
-) -> _Search:
+) -> Search:
     """Plan the step once with every region profiled (Note [Op kinds]), and start a search."""
     profiler = RegionProfiler()
     profiled, saves = replan(settings, context_fn=profiler)
-    search = _Search(
+    search = Search(
         replan=replan,
         device=device,
         budget=budget,
@@ -428,7 +207,7 @@ def _profiled(
         profile=None if settings.compiled_offload else profiler,
         host_ops=3 * profiler.ops,
         kinds=tuple(profiler.kinds()),
-        every_block=_timed(profiled, settings, device, budget, 3 * profiler.ops, saves=saves),
+        every_block=timed(profiled, settings, device, budget, 3 * profiler.ops, saves=saves),
         calls_are_regions=profiled.checkpoint_calls == profiler.regions
         and not profiled.recomputed_checkpoint_calls,
         smallest=None,
@@ -437,7 +216,7 @@ def _profiled(
     return search
 
 
-def _start(search: _Search) -> _Trial:
+def _start(search: Search) -> Trial:
     """The best step without a policy: the profiled one, or without look-ahead, or with the
     checkpoint inputs held on the device, the first of them that fits (Note [The budget
     search], rule 3)."""
@@ -457,7 +236,7 @@ def _start(search: _Search) -> _Trial:
     return held if held.fits else every_block
 
 
-def _decide_kinds(search: _Search, best: _Choice) -> list[KindProfile]:
+def _decide_kinds(search: Search, best: Choice) -> list[KindProfile]:
     """Keep, offload or recompute each kind worth a try, best first, into ``best``.
 
     Returns the kinds whose keep did not fit in every region (Note [The budget search], rules 1
@@ -479,7 +258,7 @@ def _decide_kinds(search: _Search, best: _Choice) -> list[KindProfile]:
     return [kind for kind in kinds if not _decide_kind(search, best, kind)]
 
 
-def _keep_every_kind(search: _Search, best: _Choice, kinds: list[KindProfile]) -> bool:
+def _keep_every_kind(search: Search, best: Choice, kinds: list[KindProfile]) -> bool:
     """Plan every kind kept at once; take it if it fits and is faster, and say whether it was
     taken (Note [Steps the search spares], rule 2)."""
     every_kind: dict[str, Decision] = {kind.kind: "keep" for kind in kinds}
@@ -490,7 +269,7 @@ def _keep_every_kind(search: _Search, best: _Choice, kinds: list[KindProfile]) -
     return True
 
 
-def _decide_kind(search: _Search, best: _Choice, kind: KindProfile) -> bool:
+def _decide_kind(search: Search, best: Choice, kind: KindProfile) -> bool:
     """Try ``kind`` kept, then offloaded, until a try fits, and take what the decision rule
     says (Note [The budget search], rule 4). Returns whether its keep fitted."""
     trial = best.trial
@@ -502,7 +281,7 @@ def _decide_kind(search: _Search, best: _Choice, kind: KindProfile) -> bool:
     # Rule 11: under the compiled path an offload is a keep; only eager offloads.
     offload = OFFLOAD_AVAILABLE and not trial.settings.compiled_offload
     tries = decision.kind_tries(trial.settings.prefetch, offload, keep_can_fit)
-    planned: list[_Trial] = []
+    planned: list[Trial] = []
     for choice, prefetch in tries:
         settings = dataclasses.replace(trial.settings, prefetch=prefetch)
         planned.append(search.attempt({**best.decisions, kind.kind: choice}, {}, settings))
@@ -514,7 +293,7 @@ def _decide_kind(search: _Search, best: _Choice, kind: KindProfile) -> bool:
     return keep_can_fit and planned[0].fits
 
 
-def _keep_in_last_regions(search: _Search, best: _Choice, overflowed: list[KindProfile]) -> None:
+def _keep_in_last_regions(search: Search, best: Choice, overflowed: list[KindProfile]) -> None:
     """Try the kinds whose keep did not fit everywhere kept in the last regions only, into
     ``best`` (Note [The budget search], rule 5)."""
     tries_left = _REGION_TRIES
@@ -533,8 +312,8 @@ def _keep_in_last_regions(search: _Search, best: _Choice, overflowed: list[KindP
 
 
 def _unchecked_last_regions(
-    search: _Search, plain: _Trial, no_checkpoint: StrategyPlan | None
-) -> _Choice | None:
+    search: Search, plain: Trial, no_checkpoint: StrategyPlan | None
+) -> Choice | None:
     """The starting step with the most last regions that fit run without a checkpoint, where
     that is faster, from the starting step as it is and with its inputs held on the device;
     None where no count is tried or none fits (Note [The budget search], rule 10). Every step
@@ -558,11 +337,11 @@ def _unchecked_last_regions(
     return min(chosen, key=lambda choice: choice.trial.seconds, default=None)
 
 
-def _most_unchecked(search: _Search, plain: _Trial, over_peak: int | None) -> _Choice | None:
+def _most_unchecked(search: Search, plain: Trial, over_peak: int | None) -> Choice | None:
     """``plain`` with the most last regions that fit unchecked, where that is faster than
     ``plain``; ``over_peak`` is the peak of the step without any checkpoint, if planned."""
     fitting, fitting_peak, over = 0, plain.plan.peak_bytes, search.regions
-    chosen: _Choice | None = None
+    chosen: Choice | None = None
     for _ in range(_UNCHECKED_TRIES):
         if over - fitting <= 1:
             break
@@ -575,151 +354,5 @@ def _most_unchecked(search: _Search, plain: _Trial, over_peak: int | None) -> _C
             continue
         fitting, fitting_peak = count, trial.plan.peak_bytes
         if decision.improves(trial.outcome, plain.seconds):
-            chosen = _Choice(trial, unchecked_last=count)
+            chosen = Choice(trial, unchecked_last=count)
     return chosen
-
-
-def _conclude(
-    search: _Search,
-    plain: _Trial,
-    best: _Choice,
-    measure: Callable[[Sequence[BudgetPlan]], Sequence[float]] | None,
-    no_checkpoint: StrategyPlan | None,
-    unchecked_last: _Choice | None,
-) -> BudgetPlan:
-    """The plan: the fastest candidate that fits, its policy's host cost counted, or the
-    faster finalist measured (Note [The budget search], rules 7, 9 and 10; Note [Measured
-    finalists])."""
-    smallest = search.smallest  # the on-device tries of _budget_plan are never counted in it
-    unchecked: _Choice | None = None
-    if no_checkpoint is not None:
-        # No checkpoint: forward and backward, no recomputation and no policy.
-        trial = _timed(
-            no_checkpoint, plain.settings, search.device, search.budget, 2 * search.host_ops // 3
-        )
-        unchecked = _Choice(trial, checkpoint=False)
-    if not (best.decisions or best.kept_in_last):  # Note [Measured finalists], rule 3
-        measure = None
-    if measure is not None:  # Note [Measured finalists], rule 2
-        finalists = [
-            _budget_plan(search, search.charged(best), smallest),
-            _budget_plan(search, _Choice(plain), smallest),
-        ]
-        if unchecked_last is not None:
-            finalists.append(_budget_plan(search, unchecked_last, smallest))
-        if unchecked is not None and unchecked.trial.fits:
-            finalists.append(_budget_plan(search, unchecked, smallest))
-        return _measured(tuple(finalists), measure)
-    # Rule 9: every candidate planned, each with its policy's host cost; the step without a
-    # policy first, so that a tie goes to it (rule 7), and without a checkpoint last (rule 10;
-    # the tries with the last regions unchecked are among the search's).
-    candidates = [_Choice(plain), _Choice(search.every_block), search.charged(best)]
-    candidates += [search.charged(tried) for tried in search.tried]
-    if unchecked is not None:
-        candidates.append(unchecked)
-    fastest = decision.fastest([candidate.trial.outcome for candidate in candidates])
-    return _budget_plan(search, candidates[0 if fastest is None else fastest], smallest)
-
-
-def _budget_plan(search: _Search, chosen: _Choice, smallest: int | None) -> BudgetPlan:
-    """The plan of ``chosen``, its inputs held on the device where that fits and is no slower
-    (Note [The budget search], rule 6), then its stash chosen (Note [The stash]); ``smallest``
-    is the least peak the search planned."""
-    trial = chosen.trial
-    holding = search.holding_min_offload_bytes if chosen.checkpoint else None
-    if decision.tries_inputs_on_device(
-        chosen.decisions.values(), trial.settings.min_offload_bytes, holding
-    ):
-        assert holding is not None
-        on_device = dataclasses.replace(trial.settings, min_offload_bytes=holding)
-        held = search.attempt(
-            chosen.decisions,
-            chosen.kept_in_last,
-            on_device,
-            policy_cost=True,
-            unchecked_last=chosen.unchecked_last,
-        )
-        if decision.holds_inputs_on_device(held.outcome, trial.seconds):
-            trial = held
-    trial = _with_stash(search, chosen, trial)
-    budget = search.budget
-    least = trial.plan.peak_bytes if smallest is None else smallest
-    fixed = 2 * trial.plan.parameter_bytes  # parameters and gradients: no batch shrinks them
-    return BudgetPlan(
-        budget_bytes=budget.device_bytes,
-        host_budget_bytes=budget.host_bytes,
-        ranks_per_node=budget.ranks_per_node,
-        fits=trial.fits,
-        decisions=tuple(sorted(chosen.decisions.items())),
-        kept_in_last=tuple(sorted(chosen.kept_in_last.items())),
-        regions=search.regions,
-        settings=trial.settings,
-        checkpoint=chosen.checkpoint,
-        unchecked_last=chosen.unchecked_last,
-        peak_bytes=trial.plan.peak_bytes,
-        pinned_bytes_per_node=trial.plan.pinned_bytes * budget.ranks_per_node,
-        step_seconds=trial.seconds,
-        every_block_seconds=search.every_block.seconds,
-        smallest_budget_bytes=least,
-        kinds=search.kinds,
-        strategy_plan=trial.plan,
-        batch_fraction=None
-        if trial.fits
-        else decision.batch_fraction(budget.device_bytes, least, fixed),
-    )
-
-
-def _with_stash(search: _Search, chosen: _Choice, trial: _Trial) -> _Trial:
-    """``trial`` with the largest stash that fits, where its copies back cost it time and the
-    stash makes it faster; else ``trial`` itself (Note [The stash])."""
-    if not (chosen.checkpoint and trial.fits):
-        return trial
-    plan, settings = trial.plan, trial.settings
-    no_copies_back = _Figures(plan.forward_flops, plan.backward_flops, plan.bytes_to_host, 0)
-    seconds = step_seconds(
-        no_copies_back,
-        search.device,
-        settings.prefetch,
-        search.policy_ops_of(chosen.decisions, chosen.kept_in_last),
-        search.host_ops_of(chosen.unchecked_last),
-    )
-    if not decision.stash_pays(trial.seconds, seconds):  # rule 1
-        return trial
-    offloaded = [save.nbytes for save in trial.saves if save.fate == "offloaded"]
-    current = settings.stash_bytes
-    levels = [current, *(level for level in decision.stash_levels(offloaded) if level > current)]
-    tried: dict[int, _Trial] = {}
-
-    def fits(level: int) -> bool:
-        stashed = dataclasses.replace(settings, stash_bytes=level)
-        tried[level] = search.attempt(
-            chosen.decisions,
-            chosen.kept_in_last,
-            stashed,
-            policy_cost=True,
-            unchecked_last=chosen.unchecked_last,
-        )
-        return tried[level].fits
-
-    stash = decision.largest_stash(levels, fits)  # rule 2
-    if stash == current or not decision.improves(tried[stash].outcome, trial.seconds):
-        return trial
-    return tried[stash]
-
-
-def _measured(
-    finalists: tuple[BudgetPlan, ...],
-    measure: Callable[[Sequence[BudgetPlan]], Sequence[float]],
-) -> BudgetPlan:
-    """The finalist ``measure`` times fastest, with the times (Note [Measured finalists])."""
-    seconds = [float(value) for value in measure(finalists)]
-    if len(seconds) != len(finalists) or not all(value > 0 for value in seconds):
-        raise ValueError(
-            "measure= must return one positive step time in seconds per plan it is given "
-            f"({len(finalists)}), math.inf for a plan that could not run; got {seconds}"
-        )
-    if min(seconds) == math.inf:
-        raise ValueError(f"measure= could run none of the {len(finalists)} plans it was given")
-    fastest = min(range(len(finalists)), key=seconds.__getitem__)
-    others = [value for index, value in enumerate(seconds) if index != fastest]
-    return dataclasses.replace(finalists[fastest], measured_seconds=(seconds[fastest], *others))
