@@ -23,6 +23,7 @@ from torch import nn
 
 import matepoint
 import matepoint.integrations as mi
+import matepoint.integrations._functions as integration_functions
 import matepoint_compat as compat
 from matepoint import DeviceModel
 from matepoint._planner import live_model, policy
@@ -416,9 +417,11 @@ def test_a_plan_without_checkpoint_runs_the_blocks_as_they_are(
     # Room for the step without any checkpoint, which recomputes nothing and pays no policy:
     # the integrations then run every block as it is, through any of them.
     calls: list[int] = []
-    real = mi.checkpoint
+    real = integration_functions.checkpoint
     monkeypatch.setattr(
-        mi, "checkpoint", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+        integration_functions,
+        "checkpoint",
+        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs),
     )
     model, reference = _stack(), _stack()
     plan = mi.apply_matepoint_checkpointing(

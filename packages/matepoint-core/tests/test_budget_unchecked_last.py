@@ -19,6 +19,7 @@ from torch import nn
 
 import matepoint
 import matepoint.integrations as mi
+import matepoint.integrations._functions as integration_functions
 from matepoint import DeviceModel
 from matepoint._guard import describe
 from matepoint._planner import decision
@@ -141,13 +142,13 @@ class _Calls:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
-        real = mi.checkpoint
+        real = integration_functions.checkpoint
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.count += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(mi, "checkpoint", counted)
+        monkeypatch.setattr(integration_functions, "checkpoint", counted)
 
 
 def _matches_torch(model: nn.Module, plan: matepoint.BudgetPlan, steps: int = 2) -> None:
