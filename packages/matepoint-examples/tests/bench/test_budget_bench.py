@@ -305,3 +305,26 @@ def test_the_plan_compiled_block_by_block_gives_each_block_its_region(
     ]
     assert runner.settings[label]["compiled_offload"] is False
     assert label in runner.may_fail
+
+
+@pytest.mark.parametrize("unchecked_last", [0, 1], ids=["no-policy", "last-unchecked"])
+def test_a_plan_without_a_policy_runs_under_a_whole_model_compile(unchecked_last: int) -> None:
+    """The plan's checkpoint functions under the compiled path: a region without a policy gets
+    no context_fn (Dynamo refuses torch's noop as one), and the unchecked regions' functions
+    are made before the compile traces them."""
+    workload = budget.WORKLOADS["llama-tiny"]
+    torch.manual_seed(0)
+    model, inputs = workload.build()
+    memory_plan = budget._plan(workload)
+    plan = memory_plan.fastest_under(memory_plan["none"].peak_bytes * 2)
+    plan = dataclasses.replace(plan, checkpoint=True, decisions=(), unchecked_last=unchecked_last)
+    workload.set_checkpoint(model, budget_runner.plan_checkpoint_fn(plan))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with matepoint.options(**{**plan.settings_changes(), "compiled_offload": True}):
+        for _ in range(2):
+            loss = workload.loss(compiled, inputs)
+            loss.backward()
+    torch._dynamo.reset()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.parameters())
