@@ -23,6 +23,7 @@ from torch import Tensor
 import matepoint
 from matepoint_examples._runtime import peak_bytes, reset_peak, synchronize
 from matepoint_examples.bench._budget_workloads import BudgetWorkload, CheckpointFn
+from matepoint_examples.bench._errors import error_note
 from matepoint_examples.bench._paired import per_round_ratios, round_order
 
 __all__ = [
@@ -173,7 +174,7 @@ class Runner:
         except Exception as error:  # a compiled strategy that fails to compile: reported, skipped
             if name not in self.compiled and name not in self.may_fail:
                 raise
-            self.errors.setdefault(name, f"{type(error).__name__}: {error}"[:500])
+            self.errors.setdefault(name, error_note(error))
             self.optimizer.zero_grad(set_to_none=True)
             return failed
         seconds = time.perf_counter() - start

@@ -36,6 +36,7 @@ from torch import Tensor
 from matepoint_examples._runtime import synchronize
 from matepoint_examples._workloads import Built, Workload, build
 from matepoint_examples.bench._compiled import CompiledForward
+from matepoint_examples.bench._errors import error_note, portable
 from matepoint_examples.bench._trace import trace_step
 from matepoint_examples.bench._worker import environment, held_forward, write_partial
 from matepoint_examples.strategies import Strategy, get_strategy
@@ -298,10 +299,10 @@ def run_paired(
                     optimizer.zero_grad(set_to_none=True)
             _add_compile_reports(rows, runs)
     except Exception as exc:  # the model or a session failed: every row says so
-        note = f"{type(exc).__name__}: {exc}"[:500]
+        note, trace = error_note(exc), portable(traceback.format_exc())[-4000:]
         for row in rows.values():
             if row["status"] == "ok":
-                row.update(status="error", note=note, traceback=traceback.format_exc()[-4000:])
+                row.update(status="error", note=note, traceback=trace)
     _summarize(rows, times)
     return list(rows.values())
 
@@ -340,8 +341,8 @@ def _rounds(
             except torch.cuda.OutOfMemoryError as exc:
                 failure = ("oom", str(exc).splitlines()[0][:300])
             except Exception as exc:
-                failure = ("error", f"{type(exc).__name__}: {exc}"[:500])
-                rows[name]["traceback"] = traceback.format_exc()[-4000:]
+                failure = ("error", error_note(exc))
+                rows[name]["traceback"] = portable(traceback.format_exc())[-4000:]
             compiled_loss = runs[name].loss
             if index == 0 and isinstance(compiled_loss, CompiledForward):
                 compiled_loss.end_compile_step()  # before the next strategy compiles

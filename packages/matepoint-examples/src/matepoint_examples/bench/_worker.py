@@ -35,6 +35,7 @@ from matepoint_examples._runtime import (
 )
 from matepoint_examples._workloads import Built, Workload, build
 from matepoint_examples.bench._compiled import CompiledForward
+from matepoint_examples.bench._errors import error_note, portable
 from matepoint_examples.strategies import Strategy, get_strategy
 
 __all__ = [
@@ -202,8 +203,8 @@ def run_train(
     except torch.cuda.OutOfMemoryError as exc:
         result.update(status="oom", note=str(exc).splitlines()[0][:300])
     except Exception as exc:
-        result.update(status="error", note=f"{type(exc).__name__}: {exc}"[:500])
-        result["traceback"] = traceback.format_exc()[-4000:]
+        result.update(status="error", note=error_note(exc))
+        result["traceback"] = portable(traceback.format_exc())[-4000:]
     return result
 
 
@@ -418,6 +419,6 @@ def run_transfer(device: torch.device, quick: bool = False) -> dict[str, Any]:
     except torch.cuda.OutOfMemoryError as exc:
         result.update(status="oom", note=str(exc).splitlines()[0][:300])
     except Exception as exc:
-        result.update(status="error", note=f"{type(exc).__name__}: {exc}"[:500])
-        result["traceback"] = traceback.format_exc()[-4000:]
+        result.update(status="error", note=error_note(exc))
+        result["traceback"] = portable(traceback.format_exc())[-4000:]
     return result
