@@ -299,10 +299,10 @@ def run_paired(
                     optimizer.zero_grad(set_to_none=True)
             _add_compile_reports(rows, runs)
     except Exception as exc:  # the model or a session failed: every row says so
-        note, trace = error_note(exc), portable(traceback.format_exc())[-4000:]
+        note, failure_trace = error_note(exc), portable(traceback.format_exc())[-4000:]
         for row in rows.values():
             if row["status"] == "ok":
-                row.update(status="error", note=note, traceback=trace)
+                row.update(status="error", note=note, traceback=failure_trace)
     _summarize(rows, times)
     return list(rows.values())
 
