@@ -94,21 +94,17 @@ def _budget_plan(search: Search, chosen: Choice, smallest: int | None) -> Budget
     (Note [The budget search], rule 6), then its stash chosen (Note [The stash]); ``smallest``
     is the least peak the search planned."""
     trial = chosen.trial
-    holding = search.holding_min_offload_bytes if chosen.checkpoint else None
-    if decision.tries_inputs_on_device(
-        chosen.decisions.values(), trial.settings.min_offload_bytes, holding
-    ):
-        assert holding is not None
-        on_device = dataclasses.replace(trial.settings, min_offload_bytes=holding)
-        held = search.attempt(
+    held = None
+    if chosen.checkpoint:  # the step without any checkpoint has no inputs to hold
+        held = search.attempt_held(
+            trial.settings,
             chosen.decisions,
             chosen.kept_in_last,
-            on_device,
             policy_cost=True,
             unchecked_last=chosen.unchecked_last,
         )
-        if decision.holds_inputs_on_device(held.outcome, trial.seconds):
-            trial = held
+    if held is not None and decision.holds_inputs_on_device(held.outcome, trial.seconds):
+        trial = held
     trial = _with_stash(search, chosen, trial)
     budget = search.budget
     least = trial.plan.peak_bytes if smallest is None else smallest

@@ -228,12 +228,8 @@ def _start(search: Search) -> Trial:
         fewer = search.attempt({}, {}, dataclasses.replace(settings, prefetch=0))
         if fewer.fits:
             return fewer
-    holding = search.holding_min_offload_bytes
-    if not decision.tries_inputs_on_device((), settings.min_offload_bytes, holding):
-        return every_block
-    assert holding is not None
-    held = search.attempt({}, {}, dataclasses.replace(settings, min_offload_bytes=holding))
-    return held if held.fits else every_block
+    held = search.attempt_held(settings)
+    return held if held is not None and held.fits else every_block
 
 
 def _decide_kinds(search: Search, best: Choice) -> list[KindProfile]:
@@ -322,14 +318,8 @@ def _unchecked_last_regions(
         return None
     if no_checkpoint is not None and search.budget.fits(no_checkpoint):
         return None  # every region unchecked fits: the step without any checkpoint is faster
-    starts = [plain]
-    holding = search.holding_min_offload_bytes
-    if decision.tries_inputs_on_device((), plain.settings.min_offload_bytes, holding):
-        assert holding is not None
-        held = search.attempt(
-            {}, {}, dataclasses.replace(plain.settings, min_offload_bytes=holding)
-        )
-        starts += [held] if held.fits else []
+    held = search.attempt_held(plain.settings)
+    starts = [plain] if held is None or not held.fits else [plain, held]
     over_peak = None if no_checkpoint is None else no_checkpoint.peak_bytes
     found = [_most_unchecked(search, start, over_peak) for start in starts]
     # The inputs held first, so that a tie goes to them (rule 6).

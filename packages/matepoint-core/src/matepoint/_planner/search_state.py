@@ -196,6 +196,33 @@ class Search:
         where the profiled step moves none (Note [The budget search], rule 6)."""
         return decision.inputs_on_device_min_offload_bytes(self.every_block.plan.bytes_to_host)
 
+    def attempt_held(
+        self,
+        settings: OffloadSettings,
+        decisions: dict[str, Decision] | None = None,
+        kept_in_last: dict[str, int] | None = None,
+        *,
+        policy_cost: bool = False,
+        unchecked_last: int = 0,
+    ) -> Trial | None:
+        """Plan a candidate with ``settings`` but the checkpoint inputs held on the device, or
+        None where rule 6 of Note [The budget search] tries no such step (the policy offloads,
+        the settings hold them already, or the profiled step moves none)."""
+        decided = decisions or {}
+        holding = self.holding_min_offload_bytes
+        if not decision.tries_inputs_on_device(
+            decided.values(), settings.min_offload_bytes, holding
+        ):
+            return None
+        assert holding is not None
+        return self.attempt(
+            decided,
+            kept_in_last or {},
+            dataclasses.replace(settings, min_offload_bytes=holding),
+            policy_cost=policy_cost,
+            unchecked_last=unchecked_last,
+        )
+
 
 @dataclasses.dataclass
 class Choice:
