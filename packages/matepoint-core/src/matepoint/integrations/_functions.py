@@ -7,7 +7,7 @@ import contextlib
 import functools
 import inspect
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
@@ -68,7 +68,7 @@ def without_checkpoint(function: Callable[..., Any], /, *args: Any, **kwargs: An
 
 def next_region(
     calls: Iterator[int],
-    functions: list[functools.partial[Any]],
+    functions: Sequence[Callable[..., Any]],
     function: Callable[..., Any],
     /,
     *args: Any,

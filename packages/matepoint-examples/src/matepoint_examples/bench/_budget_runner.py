@@ -21,6 +21,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor
 
 import matepoint
+from matepoint.integrations._functions import next_region
 from matepoint_examples._runtime import peak_bytes, reset_peak, synchronize
 from matepoint_examples.bench._budget_workloads import BudgetWorkload, CheckpointFn
 from matepoint_examples.bench._errors import error_note
@@ -225,12 +226,7 @@ def plan_checkpoint_fn(plan: matepoint.BudgetPlan) -> CheckpointFn:
             functions[region] = functools.partial(
                 matepoint.checkpoint, use_reentrant=False, **context
             )
-    calls = itertools.count()
-
-    def by_region(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return functions[next(calls) % len(functions)](function, *args, **kwargs)
-
-    return by_region
+    return functools.partial(next_region, itertools.count(), functions)
 
 
 def plan_one_call(

@@ -13,6 +13,7 @@ import torch.utils.checkpoint as torch_checkpoint
 import matepoint
 from matepoint._compiled.blocks import CompiledBlockCheckpoint
 from matepoint._planner.op_kinds import op_kind
+from matepoint.integrations._functions import next_region
 from matepoint_examples.bench._budget_runner import Runner, no_checkpoint, plan_checkpoint_fn
 from matepoint_examples.bench._budget_workloads import BudgetWorkload, CheckpointFn
 
@@ -112,12 +113,7 @@ def add_compiled_blocks(
     functions = [
         CompiledBlockCheckpoint(blocks_plan, region) for region in range(blocks_plan.regions)
     ]
-    calls = itertools.count()
-
-    def by_region(block: Any, *args: Any, **kwargs: Any) -> Any:
-        return functions[next(calls) % len(functions)](block, *args, **kwargs)
-
-    strategies[label] = by_region
+    strategies[label] = functools.partial(next_region, itertools.count(), functions)
     runner.settings[label] = {**blocks_plan.settings_changes(), "compiled_offload": False}
     runner.may_fail.add(label)
     return label
