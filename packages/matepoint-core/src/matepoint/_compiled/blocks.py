@@ -41,6 +41,7 @@ Note [A block compiled with its plan]
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 from collections.abc import Callable
@@ -123,7 +124,6 @@ class CompiledBlockCheckpoint:
                 "plan would hold more than planned: plan with compile=True on the integration, "
                 "or under matepoint.options(compiled_offload=True)"
             )
-        self._arguments = (plan, region, offload, pipeline, compile_options, checkpoint_options)
         self.checkpoint_options = checkpoint_options
         self.checkpointed = plan is None or plan.checkpoints_region(region)
         self.context_fn = (
@@ -136,15 +136,9 @@ class CompiledBlockCheckpoint:
     def __deepcopy__(self, memo: dict[int, Any]) -> CompiledBlockCheckpoint:
         """A copy compiles afresh: the compiled functions are the blocks' they were made for
         (a model's meta twin copies its wrappers)."""
-        plan, region, offload, pipeline, compile_options, checkpoint_options = self._arguments
-        return CompiledBlockCheckpoint(
-            plan,
-            region,
-            offload=offload,
-            pipeline=pipeline,
-            compile_options=compile_options,
-            checkpoint_options=checkpoint_options,
-        )
+        twin = copy.copy(self)
+        twin._compiled = {}
+        return twin
 
     def function(self, block: Callable[..., Any]) -> Callable[..., Any]:
         """What is compiled: torch's checkpoint of ``block`` with the region's policy, or the
