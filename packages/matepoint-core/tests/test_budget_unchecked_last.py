@@ -9,17 +9,14 @@ plan runs those blocks as they are, with gradients bitwise equal to torch's.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from test_budget_one_call import SHAPE, Block, _stack, planned_stack
+from test_budget_one_call import SHAPE, Block, CheckpointCalls, _stack, planned_stack
 from test_budget_one_call import _matches_torch as matches_torch
 from torch import nn
 
 import matepoint
 import matepoint.integrations as mi
-import matepoint.integrations._functions as integration_functions
 from matepoint import DeviceModel
 from matepoint._guard import describe
 from matepoint._planner import decision
@@ -137,20 +134,6 @@ def test_no_count_is_tried_where_a_checkpoint_call_is_nested_in_anothers(none_pe
 # --- applying it -----------------------------------------------------------------------------
 
 
-class _Calls:
-    """Counts matepoint's checkpoint calls made through the integrations."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        real = integration_functions.checkpoint
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.count += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(integration_functions, "checkpoint", counted)
-
-
 def _matches_torch(model: nn.Module, plan: matepoint.BudgetPlan, steps: int = 2) -> None:
     """Steps of ``model`` against its blocks' twins under torch's checkpoint, the plan's policy
     per region, its unchecked regions called as they are: gradients bitwise equal."""
@@ -162,7 +145,7 @@ def _matches_torch(model: nn.Module, plan: matepoint.BudgetPlan, steps: int = 2)
 def test_the_integrations_run_the_last_blocks_as_they_are(
     none_peak: int, cpu_transport: CPUTestTransport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = _Calls(monkeypatch)  # before the wrappers bind matepoint's checkpoint
+    calls = CheckpointCalls(monkeypatch)  # before the wrappers bind matepoint's checkpoint
     model, plan = _planned(none_peak - 1)
     assert plan.unchecked_last > 0
     calls.count = 0  # the twin's planned step ran it
@@ -181,7 +164,7 @@ def test_the_integrations_run_the_last_blocks_as_they_are(
 def test_the_counting_function_leaves_the_last_calls_of_every_forward_unchecked(
     none_peak: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = _Calls(monkeypatch)
+    calls = CheckpointCalls(monkeypatch)
     plan = _planned(none_peak - 1)[1]
     calls.count = 0
     function = mi.matepoint_checkpoint_fn(plan)
