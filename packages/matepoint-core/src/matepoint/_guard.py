@@ -35,6 +35,19 @@ Note [The budget guard]
         winding down other work. An error elsewhere in the step (the optimizer's, backward's
         own buffers) keeps torch's message: only ``step()`` sees the whole step. Under a
         compile the blocks run as they are traced, without the renaming.
+    Rule 6. A plan bounds what its step allocates; the caching allocator holds more, the free
+        pieces of its segments that a request of another size cannot use. Where the device
+        gives the process little more than the budget (``budget="auto"`` leaves
+        ``AUTO_MARGIN`` for them, which a step that frees and allocates many sizes can
+        outgrow), the step drives the allocator to its limit: it frees its cache and retries
+        a device allocation, and a later step runs out of memory though its peak is within
+        the budget. Where a read step reached the limit (``AllocatorMemory.reached_limit``),
+        the guard plans again at the budget less those pieces at the step's peak (the most
+        the allocator held less the peak allocated), so that the new plan's peak plus the
+        same pieces fits what the first one's held. An out-of-memory error (rules 4 and 5)
+        counts those it finds at the error in the same way: the guard plans again before the
+        next step (its first forward, or ``step()``), read or not. Both count against
+        ``max_replans``; an overshoot of the budget (rule 2) is read first.
 """
 
 from __future__ import annotations
@@ -46,12 +59,13 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 import matepoint_compat as compat
+from matepoint._device_memory import AllocatorMemory, CudaMemory, DeviceMemory
 from matepoint._errors import BudgetOutOfMemoryError
 from matepoint._planner.budget_plan import BudgetPlan
 
@@ -73,29 +87,6 @@ _GUARDS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[BudgetGuard]] = (
 )
 
 
-class DeviceMemory(Protocol):
-    """Where the guard reads a step's peak: the device's, or a test's simulation."""
-
-    def reset_peak(self) -> None:
-        """Start a new step: forget the peak so far."""
-
-    def peak_bytes(self) -> int:
-        """The peak allocated device memory since the last :meth:`reset_peak`."""
-
-
-class CudaMemory:
-    """A CUDA device's peak allocated memory (``torch.cuda.max_memory_allocated``)."""
-
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
-        self.device = device
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak_bytes(self) -> int:
-        return int(torch.cuda.max_memory_allocated(self.device))
-
-
 class BudgetOvershootWarning(UserWarning):
     """A guarded step's measured peak went over the budget (See Note [The budget guard])."""
 
@@ -109,11 +100,25 @@ class GuardReading:
         measured_bytes: The step's measured peak.
         predicted_bytes: The plan's predicted peak.
         budget_bytes: The budget.
+        reserved_bytes: The most the caching allocator held over the step, or None where the
+            guard's memory does not tell (Note [The budget guard], rule 6). Default: None.
+        reached_limit: Whether the allocator reached what the device gives the process
+            during the step (rule 6). Default: False.
     """
 
     measured_bytes: int
     predicted_bytes: int
     budget_bytes: int
+    reserved_bytes: int | None = None
+    reached_limit: bool = False
+
+    @property
+    def unallocated_bytes(self) -> int:
+        """What the allocator held at most beyond the peak allocated: its segments' free pieces
+        (0 where the reading has no allocator figures)."""
+        if self.reserved_bytes is None:
+            return 0
+        return max(0, self.reserved_bytes - self.measured_bytes)
 
     @property
     def gap_bytes(self) -> int:
@@ -198,6 +203,7 @@ class BudgetGuard:
         self._started = False  # a step's peak is being counted
         self._in_step = False
         self._clear_before_forward = False  # rule 5: a backward ran out of memory
+        self._pieces_at_error = 0  # rule 6: the allocator's free pieces at such an error
         self._handle: Any = None
 
     def _predicted(self, plan: BudgetPlan) -> int:
@@ -218,7 +224,8 @@ class BudgetGuard:
             self._started = True
 
     def check(self) -> GuardReading | None:
-        """Read the step since the last reading; warn and plan again where it went over.
+        """Read the step since the last reading; warn and plan again where it went over the
+        budget, or drove the allocator to its limit (Note [The budget guard], rules 2 and 6).
 
         Returns:
             The step's figures, or None where the guard reads nothing.
@@ -227,15 +234,32 @@ class BudgetGuard:
             self.start()
             return None
         assert self.memory is not None
-        reading = GuardReading(
-            self.memory.peak_bytes(), self._predicted(self.plan), self.budget_bytes
-        )
+        reading = self._read_memory(self.memory)
         self.readings.append(reading)
         self._read += 1
         if reading.over_budget:
             self._overshoot(reading)
+        elif reading.reached_limit and reading.unallocated_bytes > 0:
+            self._plan_again(
+                f"matepoint: a step under the {describe(self.plan)} drove the caching "
+                f"allocator to its limit: it held {_gib(reading.reserved_bytes or 0)} for a "
+                f"peak of {_gib(reading.measured_bytes)}, {_gib(reading.unallocated_bytes)} "
+                "of it free pieces of its segments, and a later step may run out of memory",
+                reading.budget_bytes - reading.unallocated_bytes,
+            )
         self.start()
         return reading
+
+    def _read_memory(self, memory: DeviceMemory) -> GuardReading:
+        """The step's figures from ``memory``, the allocator's where it tells them (rule 6)."""
+        figures = (memory.peak_bytes(), self._predicted(self.plan), self.budget_bytes)
+        if not isinstance(memory, AllocatorMemory):
+            return GuardReading(*figures)
+        return GuardReading(
+            *figures,
+            reserved_bytes=memory.reserved_peak_bytes(),
+            reached_limit=memory.reached_limit(),
+        )
 
     def _overshoot(self, reading: GuardReading) -> None:
         """Warn with the figures; plan again at the budget less the gap (rule 2)."""
@@ -244,9 +268,16 @@ class BudgetGuard:
             f"{_gib(reading.measured_bytes)}, over the budget of {_gib(reading.budget_bytes)}; "
             f"predicted {_gib(reading.predicted_bytes)}, a gap of {_gib(reading.gap_bytes)}"
         )
-        target = reading.budget_bytes - reading.gap_bytes
-        if reading.gap_bytes <= 0 or self.replans >= self.max_replans:
+        if reading.gap_bytes <= 0:
             warnings.warn(f"{message}; not planned again", BudgetOvershootWarning, stacklevel=3)
+            return
+        self._plan_again(message, reading.budget_bytes - reading.gap_bytes)
+
+    def _plan_again(self, message: str, target: int) -> None:
+        """Warn with ``message``; plan again at ``target`` whole-step bytes and apply the new
+        plan, unless the guard has planned again ``max_replans`` times (rule 3)."""
+        if self.replans >= self.max_replans:
+            warnings.warn(f"{message}; not planned again", BudgetOvershootWarning, stacklevel=4)
             return
         try:
             plan = self._replan(target)
@@ -254,17 +285,30 @@ class BudgetGuard:
             warnings.warn(
                 f"{message}; planning again at {_gib(target)} failed: {error}",
                 BudgetOvershootWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             return
         warnings.warn(
             f"{message}; planned again at {_gib(target)}: the {describe(plan)}, predicted "
             f"{_gib(self._predicted(plan))}" + ("" if plan.fits else ", which does NOT fit"),
             BudgetOvershootWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         self._apply(plan)
         self.plan, self.replans, self._read = plan, self.replans + 1, 0
+
+    def _before_step(self) -> None:
+        """Before a step: clear what a failed backward left (rule 5) and plan again where an
+        out-of-memory error found the allocator's segments in pieces (rule 6)."""
+        if self._clear_before_forward:
+            self._clear_gradients()
+        pieces, self._pieces_at_error = self._pieces_at_error, 0
+        if pieces > 0:
+            self._plan_again(
+                f"matepoint: a step under the {describe(self.plan)} ran out of memory with "
+                f"{_gib(pieces)} held by the caching allocator in free pieces of its segments",
+                self.budget_bytes - pieces,
+            )
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -275,6 +319,7 @@ class BudgetGuard:
                 model's and optimizer's gradients are set to None (See Note [The budget
                 guard], rule 4).
         """
+        self._before_step()
         self._in_step = True
         self.start()
         try:
@@ -292,6 +337,9 @@ class BudgetGuard:
     ) -> BudgetOutOfMemoryError:
         """Clear what the failed step left, now or before the next forward (rules 4 and 5),
         and name the plan."""
+        # Read while the failed step's tensors are held still: the pieces between them.
+        if isinstance(self.memory, AllocatorMemory):
+            self._pieces_at_error = self.memory.unallocated_bytes()
         if error.__traceback__ is not None:
             traceback.clear_frames(error.__traceback__)
         if clear_now:
@@ -348,8 +396,7 @@ class _GuardHook:
         guard = self.guard
         if guard is None or self.root is None or module is not self.root() or guard._in_step:
             return
-        if guard._clear_before_forward:  # rule 5
-            guard._clear_gradients()
+        guard._before_step()  # rules 5 and 6
         if module.training and torch.is_grad_enabled() and guard.watching:
             guard.check()
 

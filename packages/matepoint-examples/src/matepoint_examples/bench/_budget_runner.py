@@ -8,6 +8,7 @@ the budget search is given, so its finalists are timed the same way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -21,6 +22,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor
 
 import matepoint
+from matepoint._planner.optimizer_states import optimizer_state_bytes
 from matepoint.integrations._functions import next_region
 from matepoint_examples._runtime import peak_bytes, reset_peak, synchronize
 from matepoint_examples.bench._budget_workloads import BudgetWorkload, CheckpointFn
@@ -110,6 +112,8 @@ class Runner:
         # Strategies whose failure (a compile that fails) is reported, not raised.
         self.may_fail: set[str] = set()
         self.errors: dict[str, str] = {}
+        # Strategies run under a budget guard, as the one call runs a user's steps.
+        self.guards: dict[str, matepoint.BudgetGuard] = {}
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer's states (they stay on the device through every step)."""
@@ -152,22 +156,31 @@ class Runner:
         that fails) gives NaN seconds and peak -1.
         """
         failed = Step(math.nan, -1, math.nan)
-        self.workload.set_checkpoint(self.model, checkpoint_fn or no_checkpoint)
+        guard = self.guards.get(name)
         synchronize(self.device)
         reset_peak(self.device)
         start = time.perf_counter()
         try:
-            with matepoint.options(**self.settings.get(name, {})):
-                loss: Tensor = (
-                    self.compiled[name]()
-                    if name in self.compiled
-                    else self.workload.loss(self.model, self.inputs)
-                )
-                loss.backward()  # type: ignore[no-untyped-call,unused-ignore]
-            del loss
-            self.optimizer.step()
-            issued = time.perf_counter()
-            synchronize(self.device)
+            # A guard may plan again as its step starts (Note [The budget guard], rule 6), so
+            # the blocks get their function and settings inside it.
+            with guard.step() if guard is not None else contextlib.nullcontext():
+                self.workload.set_checkpoint(self.model, checkpoint_fn or no_checkpoint)
+                with matepoint.options(**self.settings.get(name, {})):
+                    loss: Tensor = (
+                        self.compiled[name]()
+                        if name in self.compiled
+                        else self.workload.loss(self.model, self.inputs)
+                    )
+                    loss.backward()  # type: ignore[no-untyped-call,unused-ignore]
+                del loss
+                self.optimizer.step()
+                issued = time.perf_counter()
+                synchronize(self.device)
+                seconds = time.perf_counter() - start
+                peak = peak_bytes(self.device) or 0
+                # Read before the guard reads the step and resets the peak, and the gradients
+                # gone before it: a plan it makes again there is of a step that starts without.
+                self.optimizer.zero_grad(set_to_none=True)
         except torch.cuda.OutOfMemoryError:
             self.optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
@@ -178,9 +191,7 @@ class Runner:
             self.errors.setdefault(name, error_note(error))
             self.optimizer.zero_grad(set_to_none=True)
             return failed
-        seconds = time.perf_counter() - start
-        self.optimizer.zero_grad(set_to_none=True)
-        return Step(seconds, peak_bytes(self.device) or 0, issued - start)
+        return Step(seconds, peak, issued - start)
 
 
 def alternate(
@@ -253,6 +264,39 @@ def plan_one_call(
             loss_fn=loss_fn,
             device=device,
         )
+
+
+def guarded_one_call(
+    runner: Runner,
+    name: str,
+    plan: matepoint.BudgetPlan,
+    device: matepoint.DeviceModel | None,
+) -> CheckpointFn:
+    """The one call's plan under the guard the integrations attach (Note [The budget guard]):
+    the strategy ``name`` runs each step in the guard's ``step()``, which reads its first steps
+    and plans again (:func:`plan_one_call` at the smaller budget) where one went over the
+    budget or drove the allocator to its limit. Returns the strategy's checkpoint function,
+    which runs the block by the plan in force."""
+    current = [plan_checkpoint_fn(plan)]
+
+    def apply(new_plan: matepoint.BudgetPlan) -> None:
+        current[0] = plan_checkpoint_fn(new_plan)
+        runner.settings[name] = new_plan.settings_changes()
+
+    apply(plan)
+    runner.guards[name] = matepoint.BudgetGuard(
+        plan,
+        replan=lambda budget: plan_one_call(runner, budget, device),
+        apply=apply,
+        states_bytes=optimizer_state_bytes(runner.optimizer),
+        model=runner.model,
+        optimizer=runner.optimizer,
+    )
+
+    def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return current[0](function, *args, **kwargs)
+
+    return checkpoint
 
 
 def measure_finalists(

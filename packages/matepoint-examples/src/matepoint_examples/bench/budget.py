@@ -70,6 +70,7 @@ from matepoint_examples.bench._budget_runner import (
     Alternated,
     Runner,
     alternate,
+    guarded_one_call,
     measure_finalists,
     plan_checkpoint_fn,
     plan_one_call,
@@ -146,6 +147,18 @@ def _budgets(
         elif name not in ("torch", "mid"):
             budgets[f"budget@{name}"] = parse_bytes(name)
     return budgets
+
+
+def _guarded_fields(
+    fields: dict[str, Any], guard: matepoint.BudgetGuard, predicted: Callable[[int], int]
+) -> None:
+    """A guarded plan's report: its guard's readings and, where it planned again, the plan it
+    ended with (the one its later steps ran) in place of the first."""
+    fields["guard_readings"] = [dataclasses.asdict(reading) for reading in guard.readings]
+    fields["replans"] = guard.replans
+    if guard.replans:
+        fields["first_plan"] = {key: fields[key] for key in _plan_fields(guard.plan, predicted)}
+        fields.update(_plan_fields(guard.plan, predicted))
 
 
 def _plan_fields(plan: matepoint.BudgetPlan, predicted: Callable[[int], int]) -> dict[str, Any]:
@@ -264,8 +277,7 @@ def run(
             **_plan_fields(one_call, predicted),
         }
         print(one_call, flush=True)
-        strategies[one_call_name] = plan_checkpoint_fn(one_call)
-        runner.settings[one_call_name] = one_call.settings_changes()
+        strategies[one_call_name] = guarded_one_call(runner, one_call_name, one_call, device_model)
         if compiled:
             # Planned for the compiled paths: its policy offloads nothing (Note [The budget
             # search], rule 11), which both compiled strategies run.
@@ -284,6 +296,8 @@ def run(
     planned_peaks = {
         name: predicted(memory_plan[name].peak_bytes) for name in ("torch", "none", "matepoint")
     }
+    for name, guard in runner.guards.items():
+        _guarded_fields(plans[name], guard, predicted)
     rows = _rows(measured, runner.errors, planned_peaks)
     judged = verdicts(plans, measured.times, measured.peaks, runner.errors, measured.host_times)
     for name, verdict in judged.items():
