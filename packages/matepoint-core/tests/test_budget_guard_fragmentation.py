@@ -33,6 +33,9 @@ class SimulatedAllocator(SimulatedMemory):
     def reserved_peak_bytes(self) -> int:
         return self.peak + self.pieces
 
+    def pieces_peak_bytes(self) -> int:
+        return self.pieces
+
     def reached_limit(self) -> bool:
         return self.limit
 
@@ -61,11 +64,11 @@ def test_a_step_at_the_allocators_limit_plans_again_less_its_free_pieces(
         _step_matches_torch(model, blocks, first, seed=1)
     message = str(caught[0].message)
     assert f"({first.peak_bytes + pieces} bytes)" in message  # what the allocator held
-    assert f"({pieces} bytes) of it free pieces" in message
+    assert f"up to {pieces / (1 << 30):.2f} GiB ({pieces} bytes) of it in free pieces" in message
     reading = guard.readings[-1]
     assert reading.over_budget is False
     assert (reading.reserved_bytes, reading.reached_limit) == (first.peak_bytes + pieces, True)
-    assert reading.unallocated_bytes == pieces
+    assert reading.pieces_bytes == pieces
     assert guard.replans == 1
     second = guard.plan
     assert second.budget_bytes == guard.budget_bytes - pieces < first.budget_bytes
@@ -91,7 +94,7 @@ def test_pieces_without_reaching_the_limit_plan_nothing(cpu_transport: CPUTestTr
         for seed in range(guard.steps + 1):
             _step_matches_torch(model, blocks, plan, seed)
     assert guard.plan is plan
-    assert [reading.unallocated_bytes for reading in guard.readings] == [
+    assert [reading.pieces_bytes for reading in guard.readings] == [
         guard.budget_bytes
     ] * guard.steps
 
@@ -174,7 +177,7 @@ def test_cuda_memory_reads_the_allocators_limit_since_its_reset(
 ) -> None:
     """``CudaMemory`` on a simulated CUDA allocator: its retries and failures since the reset
     are the limit; held less allocated, the free pieces."""
-    stats = {"num_alloc_retries": 3, "num_ooms": 1}
+    stats = {"num_alloc_retries": 3, "num_ooms": 1, "inactive_split_bytes.all.peak": 2}
     figures = {"reserved": 10, "allocated": 7, "max_reserved": 12, "max_allocated": 9}
     cuda = torch.cuda
     monkeypatch.setattr(cuda, "memory_stats", lambda device=None: dict(stats))
@@ -189,6 +192,7 @@ def test_cuda_memory_reads_the_allocators_limit_since_its_reset(
     assert not memory.reached_limit()  # the earlier retries were before the reset
     assert (memory.peak_bytes(), memory.reserved_peak_bytes()) == (9, 12)
     assert memory.unallocated_bytes() == 3
+    assert memory.pieces_peak_bytes() == 2
     stats["num_alloc_retries"] += 1
     assert memory.reached_limit()
     memory.reset_peak()

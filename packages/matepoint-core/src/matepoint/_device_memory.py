@@ -33,12 +33,18 @@ class AllocatorMemory(DeviceMemory, Protocol):
     def reserved_peak_bytes(self) -> int:
         """The most the allocator held (its segments, used or not) since :meth:`reset_peak`."""
 
+    def pieces_peak_bytes(self) -> int:
+        """The most the allocator held since :meth:`reset_peak` in free pieces of segments in
+        use: memory it can neither give a larger request nor give back to the device."""
+
     def reached_limit(self) -> bool:
         """Whether, since :meth:`reset_peak`, the allocator had to free its cache and retry a
         device allocation, or failed one: it reached what the device gives the process."""
 
     def unallocated_bytes(self) -> int:
-        """What the allocator holds now beyond what is allocated: its segments' free pieces."""
+        """What the allocator holds now beyond what is allocated. Read at an out-of-memory
+        error, these are its segments' free pieces: it gave back every free segment before it
+        failed."""
 
 
 class CudaMemory:
@@ -62,6 +68,10 @@ class CudaMemory:
 
     def reserved_peak_bytes(self) -> int:
         return int(torch.cuda.max_memory_reserved(self.device))
+
+    def pieces_peak_bytes(self) -> int:
+        stats = torch.cuda.memory_stats(self.device)
+        return int(stats.get("inactive_split_bytes.all.peak", 0))
 
     def reached_limit(self) -> bool:
         return self._limit_events_now() > self._limit_events

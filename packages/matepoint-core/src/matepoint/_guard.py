@@ -35,19 +35,19 @@ Note [The budget guard]
         winding down other work. An error elsewhere in the step (the optimizer's, backward's
         own buffers) keeps torch's message: only ``step()`` sees the whole step. Under a
         compile the blocks run as they are traced, without the renaming.
-    Rule 6. A plan bounds what its step allocates; the caching allocator holds more, the free
-        pieces of its segments that a request of another size cannot use. Where the device
-        gives the process little more than the budget (``budget="auto"`` leaves
-        ``AUTO_MARGIN`` for them, which a step that frees and allocates many sizes can
-        outgrow), the step drives the allocator to its limit: it frees its cache and retries
-        a device allocation, and a later step runs out of memory though its peak is within
-        the budget. Where a read step reached the limit (``AllocatorMemory.reached_limit``),
-        the guard plans again at the budget less those pieces at the step's peak (the most
-        the allocator held less the peak allocated), so that the new plan's peak plus the
-        same pieces fits what the first one's held. An out-of-memory error (rules 4 and 5)
-        counts those it finds at the error in the same way: the guard plans again before the
-        next step (its first forward, or ``step()``), read or not. Both count against
-        ``max_replans``; an overshoot of the budget (rule 2) is read first.
+    Rule 6. A plan bounds what its step allocates; the caching allocator holds more: free
+        pieces of segments in use, which a larger request cannot use and the allocator cannot
+        give back. Where the device gives the process little more than the budget
+        (``budget="auto"`` leaves ``AUTO_MARGIN`` for them, which a step that frees and
+        allocates many sizes can outgrow), a step whose peak is within the budget can run out
+        of memory. An out-of-memory error (rules 4 and 5) reads the pieces the allocator holds
+        at the error (it gave back every free segment before it failed): the guard plans
+        again at the budget less them before the next step (its first forward, or
+        ``step()``), read or not. A read step where the allocator reached its limit (it freed
+        its cache and retried a device allocation: ``AllocatorMemory.reached_limit``) is
+        planned again the same way, less the most it held in such pieces, before any step
+        fails. Both count against ``max_replans``; an overshoot of the budget (rule 2) is read
+        first. The new plan's peak plus the same pieces fits what the first one's held.
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ class GuardReading:
         budget_bytes: The budget.
         reserved_bytes: The most the caching allocator held over the step, or None where the
             guard's memory does not tell (Note [The budget guard], rule 6). Default: None.
+        pieces_bytes: The most it held in free pieces of segments in use, which it can
+            neither give a larger request nor give back (rule 6). Default: 0.
         reached_limit: Whether the allocator reached what the device gives the process
             during the step (rule 6). Default: False.
     """
@@ -110,15 +112,8 @@ class GuardReading:
     predicted_bytes: int
     budget_bytes: int
     reserved_bytes: int | None = None
+    pieces_bytes: int = 0
     reached_limit: bool = False
-
-    @property
-    def unallocated_bytes(self) -> int:
-        """What the allocator held at most beyond the peak allocated: its segments' free pieces
-        (0 where the reading has no allocator figures)."""
-        if self.reserved_bytes is None:
-            return 0
-        return max(0, self.reserved_bytes - self.measured_bytes)
 
     @property
     def gap_bytes(self) -> int:
@@ -239,13 +234,13 @@ class BudgetGuard:
         self._read += 1
         if reading.over_budget:
             self._overshoot(reading)
-        elif reading.reached_limit and reading.unallocated_bytes > 0:
+        elif reading.reached_limit and reading.pieces_bytes > 0:
             self._plan_again(
                 f"matepoint: a step under the {describe(self.plan)} drove the caching "
                 f"allocator to its limit: it held {_gib(reading.reserved_bytes or 0)} for a "
-                f"peak of {_gib(reading.measured_bytes)}, {_gib(reading.unallocated_bytes)} "
-                "of it free pieces of its segments, and a later step may run out of memory",
-                reading.budget_bytes - reading.unallocated_bytes,
+                f"peak of {_gib(reading.measured_bytes)}, up to {_gib(reading.pieces_bytes)} "
+                "of it in free pieces of its segments, and a later step may run out of memory",
+                reading.budget_bytes - reading.pieces_bytes,
             )
         self.start()
         return reading
@@ -258,6 +253,7 @@ class BudgetGuard:
         return GuardReading(
             *figures,
             reserved_bytes=memory.reserved_peak_bytes(),
+            pieces_bytes=memory.pieces_peak_bytes(),
             reached_limit=memory.reached_limit(),
         )
 
