@@ -43,11 +43,14 @@ Note [The budget guard]
         of memory. An out-of-memory error (rules 4 and 5) reads the pieces the allocator holds
         at the error (it gave back every free segment before it failed): the guard plans
         again at the budget less them before the next step (its first forward, or
-        ``step()``), read or not. A read step where the allocator reached its limit (it freed
-        its cache and retried a device allocation: ``AllocatorMemory.reached_limit``) is
-        planned again the same way, less the most it held in such pieces, before any step
-        fails. Both count against ``max_replans``; an overshoot of the budget (rule 2) is read
-        first. The new plan's peak plus the same pieces fits what the first one's held.
+        ``step()``), read or not. A read step is planned again the same way, before any step
+        fails, where the allocator reached its limit (it freed its cache and retried a device
+        allocation: ``AllocatorMemory.reached_limit``) and the step's peak plus the most it
+        held in such pieces exceeds the most it held at all: the peak came within the pieces
+        of failing. At a cap the allocator reaches its limit on most steps, freeing cached
+        segments to serve a request; a step whose peak and pieces fit what it held is not
+        planned again. Both count against ``max_replans``; an overshoot of the budget (rule 2)
+        is read first. The new plan's peak plus the same pieces fits what the first one held.
 """
 
 from __future__ import annotations
@@ -114,6 +117,14 @@ class GuardReading:
     reserved_bytes: int | None = None
     pieces_bytes: int = 0
     reached_limit: bool = False
+
+    @property
+    def near_failure(self) -> bool:
+        """Whether the allocator reached its limit with its peak and its free pieces together
+        above the most it held: the step came within those pieces of running out of memory
+        (Note [The budget guard], rule 6)."""
+        held = self.reserved_bytes or 0
+        return self.reached_limit and self.measured_bytes + self.pieces_bytes > held
 
     @property
     def gap_bytes(self) -> int:
@@ -234,7 +245,7 @@ class BudgetGuard:
         self._read += 1
         if reading.over_budget:
             self._overshoot(reading)
-        elif reading.reached_limit and reading.pieces_bytes > 0:
+        elif reading.near_failure:
             self._plan_again(
                 f"matepoint: a step under the {describe(self.plan)} drove the caching "
                 f"allocator to its limit: it held {_gib(reading.reserved_bytes or 0)} for a "
