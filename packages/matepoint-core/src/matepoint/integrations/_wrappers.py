@@ -10,12 +10,8 @@ from torch import nn
 
 from matepoint._checkpoint import checkpoint
 from matepoint._compiled.blocks import CompiledBlockCheckpoint
-from matepoint._guard import (
-    BudgetGuard,
-    meta_batch,
-    naming_the_plan,
-    run_naming_the_plan,
-)
+from matepoint._guard import BudgetGuard
+from matepoint._guard_naming import meta_batch, naming_the_plan, run_naming_the_plan
 from matepoint._planner.budget_plan import BudgetPlan
 from matepoint._planner.time_model import DeviceModel
 from matepoint.integrations._functions import (
