@@ -152,7 +152,8 @@ def describe(plan: BudgetPlan) -> str:
 
 
 class BudgetGuard:
-    """Checks a budget plan's first real steps and plans again where they go over the budget.
+    """Checks a budget plan's first real steps and plans again where they go over the budget,
+    or come within the caching allocator's free pieces of running out of memory.
 
     The integrations' ``budget=`` install one on the model (find it with
     :func:`matepoint.budget_guard`): it reads the previous step's peak at each training forward
@@ -168,8 +169,9 @@ class BudgetGuard:
         states_bytes: The optimizer's states the plan's budget left out. Default: 0.
         model: The model whose gradients an out-of-memory error clears. Default: None.
         optimizer: The optimizer whose gradients it clears too. Default: None.
-        memory: Where the peak is read. Default: the current CUDA device's where CUDA is
-            available, else None (the guard reads nothing).
+        memory: Where the peak is read, and, where it tells them, what the caching allocator
+            held (Note [The budget guard], rule 6). Default: the current CUDA device's where
+            CUDA is available, else None (the guard reads nothing).
         steps: Steps read under each plan. Default: 3.
         max_replans: Re-plans at most. Default: 2.
 
