@@ -34,8 +34,12 @@ Note [The budget search]
         each region's ops between its module events, in forward and in the recomputation as
         far as torch runs it (its early stop), and finds a plan's windows in them by the
         modes' own rule (``scoped_modes.window_runs``). Tries are compared without the cost,
-        and rules 7 and 9 charge it at the end, where every try is a candidate. It is not
-        hidden by the device's time (Note [Host and device overlap] in
+        and rules 7 and 9 charge it at the end, where every try is a candidate: windows
+        overlap, so a kind's cost depends on the kinds decided after it. Charged per try,
+        attention (tried first) pays for its whole window from the QKV projection to the
+        output projection, which the projections kept after it open anyway; on llama8 at
+        torch checkpoint's peak that search drops attention for another projection. It is
+        not hidden by the device's time (Note [Host and device overlap] in
         ``matepoint._planner.time_model``, rule 4).
     Rule 3. Where the starting step (matepoint on every region) does not fit with its
         look-ahead, it is planned again without (``prefetch`` 0), which is taken if it fits;
