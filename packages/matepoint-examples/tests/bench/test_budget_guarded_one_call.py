@@ -13,6 +13,7 @@ import matepoint
 from matepoint._planner.optimizer_states import optimizer_state_bytes
 from matepoint_examples.bench import _budget_runner as budget_runner
 from matepoint_examples.bench import budget
+from matepoint_examples.bench._budget_report import print_report
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch_checkpoint, "CheckpointPolicy"),
@@ -49,7 +50,9 @@ class SimulatedAllocator:
         return self.pieces
 
 
-def test_a_step_at_the_allocators_limit_replans_the_one_call_and_the_report_says_so() -> None:
+def test_a_step_at_the_allocators_limit_replans_the_one_call_and_the_report_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     workload = budget.WORKLOADS["llama-tiny"]
     runner = budget_runner.Runner(workload, device="cpu")
     runner.step("matepoint", matepoint.checkpoint)  # the optimizer's states exist
@@ -88,3 +91,6 @@ def test_a_step_at_the_allocators_limit_replans_the_one_call_and_the_report_says
     assert fields["first_plan"]["checkpoint"] is False
     assert fields["checkpoint"] is True
     assert fields["guard_readings"][0]["reached_limit"] is True
+    report = {"workload": "llama-tiny", "rounds": 1, "device": "cpu", "rows": {}}
+    print_report({**report, "plans": {NAME: fields}})
+    assert f"{NAME}: its guard planned again 1 time(s)" in capsys.readouterr().out

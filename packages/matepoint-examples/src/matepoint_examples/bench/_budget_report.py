@@ -271,6 +271,12 @@ def print_report(report: Mapping[str, Any]) -> None:
     for name, plan in report["plans"].items():
         if "verdict" in plan:
             print(_verdict_line(name, plan["verdict"]))
+        if plan.get("replans"):
+            first = plan["first_plan"]["predicted_peak_bytes"] / _GIB
+            print(
+                f"  {name}: its guard planned again {plan['replans']} time(s), from a plan "
+                f"predicted at {first:.2f} GiB to one at {plan['predicted_peak_bytes'] / _GIB:.2f}"
+            )
 
 
 def plot_frontier(reports: Sequence[dict[str, Any]], path: Path) -> None:
