@@ -4,9 +4,11 @@ allocator's limit makes the guard plan again, and the later steps run the new pl
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import matepoint
@@ -94,3 +96,39 @@ def test_a_step_at_the_allocators_limit_replans_the_one_call_and_the_report_says
     report = {"workload": "llama-tiny", "rounds": 1, "device": "cpu", "rows": {}}
     print_report({**report, "plans": {NAME: fields}})
     assert f"{NAME}: its guard planned again 1 time(s)" in capsys.readouterr().out
+
+
+def test_an_out_of_memory_step_replans_the_one_call_before_its_next_step() -> None:
+    """A step of the one call that runs out of memory among the allocator's free pieces
+    fails alone: its guard plans again before the strategy's next step, which runs."""
+    workload = budget.WORKLOADS["llama-tiny"]
+    runner = budget_runner.Runner(workload, device="cpu")
+    runner.step("matepoint", matepoint.checkpoint)
+    memory_plan = budget._plan(workload)
+    states = optimizer_state_bytes(runner.optimizer)
+    first = budget_runner.plan_one_call(runner, memory_plan["none"].peak_bytes + states, None)
+    strategy = budget_runner.guarded_one_call(runner, NAME, first, None)
+    guard = runner.guards[NAME]
+    pieces = first.budget_bytes - (first.peak_bytes + first.smallest_budget_bytes) // 2
+    memory = SimulatedAllocator(first.peak_bytes + states, 0)
+    memory.unallocated_bytes = lambda: pieces  # type: ignore[method-assign]
+    guard.memory = memory
+    failing = [True]
+
+    def run_out(_module: object, _args: object) -> None:
+        if failing.pop() if failing else False:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 896.00 MiB")
+
+    handle = next(iter(runner.model.blocks)).register_forward_pre_hook(run_out)
+    try:
+        failed = runner.step(NAME, strategy)
+        assert math.isnan(failed.seconds)
+        assert guard.plan is first
+        with pytest.warns(matepoint.BudgetOvershootWarning, match="ran out of memory with"):
+            ran = runner.step(NAME, strategy)
+    finally:
+        handle.remove()
+    assert not math.isnan(ran.seconds)
+    assert guard.replans == 1
+    assert guard.plan.budget_bytes == first.budget_bytes - pieces
+    assert runner.settings[NAME] == guard.plan.settings_changes()
