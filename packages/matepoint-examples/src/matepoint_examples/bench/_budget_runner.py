@@ -182,16 +182,21 @@ class Runner:
                 # gone before it: a plan it makes again there is of a step that starts without.
                 self.optimizer.zero_grad(set_to_none=True)
         except torch.cuda.OutOfMemoryError:
-            self.optimizer.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-            return failed
+            pass  # handled below, once the except clause has let go of the failed step
         except Exception as error:  # a compiled strategy that fails to compile: reported, skipped
             if name not in self.compiled and name not in self.may_fail:
                 raise
             self.errors.setdefault(name, error_note(error))
             self.optimizer.zero_grad(set_to_none=True)
             return failed
-        return Step(seconds, peak, issued - start)
+        else:
+            return Step(seconds, peak, issued - start)
+        self.optimizer.zero_grad(set_to_none=True)
+        # Out of memory. Out of the except clause, whose traceback held the failed step's
+        # tensors: only now can the cache give their memory back, and the next strategy start
+        # from a clean one.
+        torch.cuda.empty_cache()
+        return failed
 
 
 def alternate(
