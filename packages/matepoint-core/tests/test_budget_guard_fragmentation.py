@@ -227,3 +227,51 @@ def test_near_failure_tells_the_step_that_failed_next_from_one_that_trains() -> 
     )
     assert failed_next.near_failure
     assert not trained.near_failure
+
+
+@needs_plans
+@pytest.mark.parametrize("evaluation", ["no_grad", "inference_mode", "eval"])
+def test_an_evaluation_forward_leaves_the_plan_again_to_the_next_training_step(
+    cpu_transport: CPUTestTransport, evaluation: str
+) -> None:
+    model, blocks, guard = _guarded()
+    first = guard.plan
+    pieces = guard.budget_bytes // 4
+    guard.memory = SimulatedAllocator(first.peak_bytes, pieces)
+
+    def run_out(_module: Any, _args: Any) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    handle = blocks[1].register_forward_pre_hook(run_out)
+    with pytest.raises(matepoint.BudgetOutOfMemoryError):
+        model(torch.randn(*SHAPE, requires_grad=True)).sum().backward()
+    handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", matepoint.BudgetOvershootWarning)
+        if evaluation == "eval":
+            model.eval()
+            model(torch.randn(*SHAPE))
+            model.train()
+        else:
+            context = torch.no_grad() if evaluation == "no_grad" else torch.inference_mode()
+            with context:
+                model(torch.randn(*SHAPE))
+    assert guard.plan is first
+    with pytest.warns(matepoint.BudgetOvershootWarning, match="ran out of memory with"):
+        _step_matches_torch(model, blocks, first, seed=0)
+    assert guard.plan.budget_bytes == guard.budget_bytes - pieces
+
+
+@needs_plans
+def test_the_guard_plans_again_inside_inference_mode(cpu_transport: CPUTestTransport) -> None:
+    """A plan made again where the caller is in inference mode is the plan made outside it."""
+    _model, _blocks, guard = _guarded()
+    target = guard.budget_bytes - guard.budget_bytes // 4
+    outside = guard._replan(target)
+    with torch.inference_mode():
+        inside = guard._replan(target)
+    assert (inside.decisions, inside.peak_bytes, inside.settings) == (
+        outside.decisions,
+        outside.peak_bytes,
+        outside.settings,
+    )

@@ -35,22 +35,22 @@ Note [The budget guard]
         winding down other work. An error elsewhere in the step (the optimizer's, backward's
         own buffers) keeps torch's message: only ``step()`` sees the whole step. Under a
         compile the blocks run as they are traced, without the renaming.
-    Rule 6. A plan bounds what its step allocates; the caching allocator holds more: free
-        pieces of segments in use, which a larger request cannot use and the allocator cannot
-        give back. Where the device gives the process little more than the budget
-        (``budget="auto"`` leaves ``AUTO_MARGIN`` for them, which a step that frees and
-        allocates many sizes can outgrow), a step whose peak is within the budget can run out
-        of memory. An out-of-memory error (rules 4 and 5) reads the pieces the allocator holds
-        at the error (it gave back every free segment before it failed): the guard plans
-        again at the budget less them before the next step (its first forward, or
-        ``step()``), read or not. A read step is planned again the same way, before any step
-        fails, where the allocator reached its limit (it freed its cache and retried a device
-        allocation: ``AllocatorMemory.reached_limit``) and the step's peak plus the most it
-        held in such pieces exceeds the most it held at all: the peak came within the pieces
-        of failing. At a cap the allocator reaches its limit on most steps, freeing cached
-        segments to serve a request; a step whose peak and pieces fit what it held is not
-        planned again. Both count against ``max_replans``; an overshoot of the budget (rule 2)
-        is read first. The new plan's peak plus the same pieces fits what the first one held.
+    Rule 6. A plan bounds what its step allocates; the caching allocator holds more: free pieces
+        of segments in use, which a larger request cannot use and the allocator cannot give
+        back. Where the device gives the process little more than the budget (``budget="auto"``
+        leaves ``AUTO_MARGIN`` for them, which a step that frees and allocates many sizes can
+        outgrow), a step whose peak is within the budget can run out of memory. An out-of-memory
+        error (rules 4 and 5) reads the pieces the allocator holds at the error (it gave back
+        every free segment before it failed): the guard plans again at the budget less them
+        before the next training step (its first training forward, or ``step()``), read or not.
+        A read step is planned again the same way, before any step fails, where the allocator
+        reached its limit (it freed its cache and retried a device allocation:
+        ``AllocatorMemory.reached_limit``) and the step's peak plus the most it held in such
+        pieces exceeds the most it held at all: the peak came within the pieces of failing. At a
+        cap the allocator reaches its limit on most steps, freeing cached segments to serve a
+        request; a step whose peak and pieces fit what it held is not planned again. Both count
+        against ``max_replans``; an overshoot of the budget (rule 2) is read first. The new
+        plan's peak plus the same pieces fits what the first one held.
 """
 
 from __future__ import annotations
@@ -304,11 +304,14 @@ class BudgetGuard:
         self._apply(plan)
         self.plan, self.replans, self._read = plan, self.replans + 1, 0
 
-    def _before_step(self) -> None:
-        """Before a step: clear what a failed backward left (rule 5) and plan again where an
-        out-of-memory error found the allocator's segments in pieces (rule 6)."""
+    def _before_step(self, training: bool = True) -> None:
+        """Before a forward: clear what a failed backward left (rule 5) and, before a training
+        step, plan again where an out-of-memory error found the allocator's segments in pieces
+        (rule 6); an evaluation forward leaves that to the next training step."""
         if self._clear_before_forward:
             self._clear_gradients()
+        if not training:
+            return
         pieces, self._pieces_at_error = self._pieces_at_error, 0
         if pieces > 0:
             self._plan_again(
@@ -403,8 +406,9 @@ class _GuardHook:
         guard = self.guard
         if guard is None or self.root is None or module is not self.root() or guard._in_step:
             return
-        guard._before_step()  # rules 5 and 6
-        if module.training and torch.is_grad_enabled() and guard.watching:
+        training = module.training and torch.is_grad_enabled()
+        guard._before_step(training)  # rules 5 and 6
+        if training and guard.watching:
             guard.check()
 
     def __reduce__(self) -> tuple[Any, ...]:

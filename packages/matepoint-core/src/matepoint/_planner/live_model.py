@@ -348,25 +348,29 @@ def plan_prepared(
             f"shards ({-correction} bytes at most) take the whole budget of {total}: nothing "
             "is left for the step"
         )
-    args, kwargs = _meta_batch(example_batch)
-    twin = meta_twin(model).train()
-    if prepare is not None:
-        twin = prepare(twin) or twin
-    memory_plan = plan(
-        twin, *args, loss_fn=loss_fn or _loss_or_sum, strategies=("matepoint", "none"), **kwargs
-    )
+    # A training step is planned, also where the caller is in inference mode (an evaluation
+    # forward whose guard plans again): tensors made there could not be saved for backward.
+    with torch.inference_mode(False):
+        args, kwargs = _meta_batch(example_batch)
+        twin = meta_twin(model).train()
+        if prepare is not None:
+            twin = prepare(twin) or twin
+        memory_plan = plan(
+            twin, *args, loss_fn=loss_fn or _loss_or_sum, strategies=("matepoint", "none"), **kwargs
+        )
     if not memory_plan.saves:
         raise ValueError(
             f"{type(model).__name__}'s step makes no matepoint.checkpoint call, so a plan has "
             "nothing to decide: checkpoint its blocks first (matepoint.checkpoint in its "
             "forward, or matepoint.integrations), or pass budget= to an integration"
         )
-    chosen = memory_plan.fastest_under(
-        total - states + correction,
-        host_budget_bytes=host_budget_bytes,
-        ranks_per_node=ranks_per_node(),
-        device=device,
-    )
+    with torch.inference_mode(False):
+        chosen = memory_plan.fastest_under(
+            total - states + correction,
+            host_budget_bytes=host_budget_bytes,
+            ranks_per_node=ranks_per_node(),
+            device=device,
+        )
     return with_optimizer_step(per_rank(chosen, correction), model, counted)
 
 
