@@ -9,6 +9,7 @@ bitwise equal (fp32, CPU test transport) to torch's checkpoint under the new pla
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -68,6 +69,7 @@ def test_a_step_at_the_allocators_limit_plans_again_less_its_free_pieces(
     message = str(caught[0].message)
     assert f"({first.peak_bytes + pieces // 2} bytes)" in message  # what the allocator held
     assert f"up to {pieces / (1 << 30):.2f} GiB ({pieces} bytes) of it in free pieces" in message
+    assert re.search(r"; planned again at [^:]* in \d+\.\d s: the budget plan", message)
     reading = guard.readings[-1]
     assert reading.over_budget is False
     assert (reading.reserved_bytes, reading.reached_limit) == (first.peak_bytes + pieces // 2, True)

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import traceback
 import warnings
 import weakref
@@ -286,6 +287,7 @@ class BudgetGuard:
         if self.replans >= self.max_replans:
             warnings.warn(f"{message}; not planned again", BudgetOvershootWarning, stacklevel=4)
             return
+        started = time.perf_counter()
         try:
             plan = self._replan(target)
         except ValueError as error:
@@ -296,8 +298,9 @@ class BudgetGuard:
             )
             return
         warnings.warn(
-            f"{message}; planned again at {_gib(target)}: the {describe(plan)}, predicted "
-            f"{_gib(self._predicted(plan))}" + ("" if plan.fits else ", which does NOT fit"),
+            f"{message}; planned again at {_gib(target)} in {time.perf_counter() - started:.1f} s: "
+            f"the {describe(plan)}, predicted {_gib(self._predicted(plan))}"
+            + ("" if plan.fits else ", which does NOT fit"),
             BudgetOvershootWarning,
             stacklevel=4,
         )
