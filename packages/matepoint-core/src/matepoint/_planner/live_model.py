@@ -358,13 +358,12 @@ def plan_prepared(
         memory_plan = plan(
             twin, *args, loss_fn=loss_fn or _loss_or_sum, strategies=("matepoint", "none"), **kwargs
         )
-    if not memory_plan.saves:
-        raise ValueError(
-            f"{type(model).__name__}'s step makes no matepoint.checkpoint call, so a plan has "
-            "nothing to decide: checkpoint its blocks first (matepoint.checkpoint in its "
-            "forward, or matepoint.integrations), or pass budget= to an integration"
-        )
-    with torch.inference_mode(False):
+        if not memory_plan.saves:
+            raise ValueError(
+                f"{type(model).__name__}'s step makes no matepoint.checkpoint call, so a plan "
+                "has nothing to decide: checkpoint its blocks first (matepoint.checkpoint in "
+                "its forward, or matepoint.integrations), or pass budget= to an integration"
+            )
         chosen = memory_plan.fastest_under(
             total - states + correction,
             host_budget_bytes=host_budget_bytes,

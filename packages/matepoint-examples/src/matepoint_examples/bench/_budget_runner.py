@@ -282,10 +282,10 @@ def guarded_one_call(
     and plans again (:func:`plan_one_call` at the smaller budget) where one went over the
     budget or drove the allocator to its limit. Returns the strategy's checkpoint function,
     which runs the block by the plan in force."""
-    current = [plan_checkpoint_fn(plan)]
+    current: list[CheckpointFn] = []
 
     def apply(new_plan: matepoint.BudgetPlan) -> None:
-        current[0] = plan_checkpoint_fn(new_plan)
+        current[:] = [plan_checkpoint_fn(new_plan)]
         runner.settings[name] = new_plan.settings_changes()
 
     apply(plan)

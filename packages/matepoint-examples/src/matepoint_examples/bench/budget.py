@@ -157,8 +157,9 @@ def _guarded_fields(
     fields["guard_readings"] = [dataclasses.asdict(reading) for reading in guard.readings]
     fields["replans"] = guard.replans
     if guard.replans:
-        fields["first_plan"] = {key: fields[key] for key in _plan_fields(guard.plan, predicted)}
-        fields.update(_plan_fields(guard.plan, predicted))
+        last = _plan_fields(guard.plan, predicted)
+        fields["first_plan"] = {key: fields[key] for key in last}
+        fields.update(last)
 
 
 def _plan_fields(plan: matepoint.BudgetPlan, predicted: Callable[[int], int]) -> dict[str, Any]:
